@@ -1,0 +1,68 @@
+"""What a quantized KV cache does: one frozen record, built from the run config, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvq_lab.quant.spec import QuantConfigError, QuantSpec
+
+MODES = ("simulated", "packed")
+ROPE = ("post", "pre")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Independent key and value quantizers plus the cache policy.
+
+    mode:
+        `simulated` -> KIVI Table 1 "fake quant": every cached token, prefill included, is quantized and
+                       dequantized; attention sees the result. Partial per-channel groups are zero-padded.
+        `packed`    -> the real cache: low-bit codes stored, KIVI streaming (exact prefill, fp residual window).
+    residual_length: R, the full-precision window of the packed cache (a multiple of the key group size).
+    sink_tokens: the first N tokens of every sequence are kept in full precision (both modes).
+    rope: `post` quantizes keys after RoPE (KIVI); `pre` quantizes them before RoPE and re-rotates the
+        dequantized keys at their positions (KVQuant).
+    """
+
+    key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
+    value: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "token"))
+    mode: str = "simulated"
+    residual_length: int = 0
+    sink_tokens: int = 0
+    rope: str = "post"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise QuantConfigError(f"mode={self.mode!r} is not a cache mode; allowed: {', '.join(MODES)}")
+        if self.rope not in ROPE:
+            raise QuantConfigError(f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)")
+        if self.backend not in BACKENDS:
+            raise QuantConfigError(f"backend={self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        for name in ("residual_length", "sink_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise QuantConfigError(f"{name}={v!r} must be an integer >= 0")
+        if self.mode == "simulated" and self.residual_length:
+            raise QuantConfigError(
+                f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
+                "cached token (KIVI Table 1); set residual_length=0 or mode=packed"
+            )
+        if self.mode == "packed" and self.residual_length % self.key.group_size and not self.key.is_identity:
+            raise QuantConfigError(
+                f"residual_length={self.residual_length} must be a multiple of the key group size "
+                f"{self.key.group_size} (keys are flushed in whole groups); e.g. residual_length="
+                f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
+            )
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.key.check_head_dim(head_dim, "group_size (keys)")
+        self.value.check_head_dim(head_dim, "group_size (values)")
+
+    def label(self) -> str:
+        """e.g. `K2b-C32_V2b-T32_sim`."""
+        extra = f"_R{self.residual_length}" if self.mode == "packed" else ""
+        extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
+        extra += "_preRoPE" if self.rope == "pre" else ""
+        return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"
