@@ -1,0 +1,40 @@
+"""Run lm-eval-harness tasks (ours, from kvq_lab/eval/tasks/, or lm-eval's own) through a quantized cache."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+TASK_DIR = Path(__file__).parent / "tasks"
+log = logging.getLogger(__name__)
+
+
+def run_lm_eval(
+    task: str, model, tokenizer, make_cache, limit: int | None = None, batch_size: int = 1, num_fewshot=None,
+    log_samples: bool = False,
+) -> tuple[dict[str, float], list[dict]]:
+    """-> (flat metrics `{task}/{metric}` plus `{task}/n`, per-sample records (empty unless log_samples))."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from .lm import QuantCacheLM
+
+    lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size)
+    tm = TaskManager(include_path=str(TASK_DIR))
+    out = lm_eval.simple_evaluate(
+        model=lm, tasks=[task], limit=limit, task_manager=tm, num_fewshot=num_fewshot, log_samples=log_samples,
+        bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+    )
+    res = out["results"][task]
+    metrics: dict[str, float] = {}
+    for key, value in res.items():
+        if key in ("alias", "sample_len") or "_stderr" in key or not isinstance(value, (int, float)):
+            continue
+        name, _, filt = key.partition(",")
+        # multiply by 100: scores are reported in percent, as the papers do
+        label = name if filt in ("", "none") else f"{name}_{filt}"
+        metrics[f"{task}/{label}"] = float(value) * 100 if not math.isnan(value) else float("nan")
+    metrics[f"{task}/n"] = int(out["n-samples"][task]["effective"])
+    samples = out.get("samples", {}).get(task, []) if log_samples else []
+    return metrics, samples

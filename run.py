@@ -1,0 +1,51 @@
+"""kvq_lab entry point.
+
+    python run.py key_axis=channel value_axis=token            # one run (defaults: conf/config.yaml)
+    python run.py -m key_axis=channel,token value_axis=channel,token   # grid sweep, 4 runs
+    python run.py -m experiment=kivi_axis_table                # a saved study (conf/experiment/)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+os.environ.setdefault("WANDB_MODE", "offline")  # no network by default; `wandb sync` uploads later
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from kvq_lab.config import ConfigError, register_schema  # noqa: E402
+
+register_schema()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from kvq_lab.runner import RunFailed, run
+
+    logging.getLogger("kvq_lab").setLevel(logging.INFO)
+    for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)  # progress bars remain; config chatter goes
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        metrics = run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        if not multirun:  # a sweep goes on; its failed row has a record saying why
+            sys.exit(1)
+        return None
+    # the first metric is the sweep objective, for Hydra sweepers that optimise one
+    return next((v for v in metrics.values() if isinstance(v, float)), None)
+
+
+if __name__ == "__main__":
+    main()
