@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny seeded random Llama models (GQA, RoPE) for fast tests; the real model for `slow` ones."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+               vocab: int = 256, hidden: int = 128):
+    """A seeded random LlamaForCausalLM in eval mode (GQA: heads/kv_heads query heads per KV head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    # Random init gives tiny logits and near-uniform attention; scale up so quantization error shows in the
+    # generations (otherwise every cache would agree trivially).
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(8.0)
+            layer.self_attn.q_proj.weight.mul_(8.0)
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The real SmolLM2-135M-Instruct and tokenizer (for `slow` tests)."""
+    from kvq_lab.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A folder holding a tiny random Llama with SmolLM2's tokenizer: a real `model.path=` for run.py tests."""
+    from transformers import AutoTokenizer
+
+    from kvq_lab.models import load_model, resolve
+
+    src = resolve("smollm2-135m")
+    if src.endswith(".gguf"):  # first use converts the GGUF once; later sessions reuse the cached copy
+        load_model("smollm2-135m")
+        src = resolve("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(src)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(vocab=len(tok)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def data_dir():
+    if not (DATA_DIR / "coqa").is_dir():
+        pytest.fail(f"no data folder at {DATA_DIR}; set KVQ_DATA_DIR to the shared data folder")
+    return DATA_DIR
