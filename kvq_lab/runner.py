@@ -99,6 +99,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit)
         with timer("task_s"), torch.inference_mode():
             metrics = TASKS[plan.task].run(ctx)
+            if cfg.probe:  # error geometry beside the task's score (kvq_lab/probes)
+                from kvq_lab.probes.task import run_probes_for_task
+
+                metrics.update(run_probes_for_task(ctx, plan))
         bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
         if bad:
             log.warning("NaN metrics: %s", bad)

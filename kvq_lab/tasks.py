@@ -79,3 +79,5 @@ class LmEvalTask(Task):
 COQA_FILE = "coqa/coqa-validation.first20.lm_eval.jsonl"
 register_task(LmEvalTask("coqa", (COQA_FILE,)))
 register_task(LmEvalTask("coqa_turns", (COQA_FILE,)))
+
+from kvq_lab.probes import task as _probe_task  # noqa: E402,F401  (registers task=probe)

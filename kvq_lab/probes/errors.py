@@ -1,0 +1,174 @@
+"""Per-layer, per-head error of a key/value quantizer pair, measured where the tensors are consumed.
+
+For one layer's captured (exact) query q [H, T, D], key k and value v [H_kv, T, D] (KIVI Table 2's setting: the
+quantizer in isolation, exact inputs at every layer):
+
+    k', v'  = fake quant of the whole prompt's K and V (`kvq_lab.quant.reference.fake_quant`, partial per-channel
+              groups zero-padded as KIVI's fake quant; sink tokens exact; rope=pre: K un-rotated, quantized,
+              re-rotated at its positions)
+    A       = softmax(q K^T * scaling + causal mask)          A' = softmax(q K'^T * scaling + causal mask)
+    O       = A V        O_k = A' V  (only K quantized)        O_v = A V'  (only V quantized, A exact, as KIVI)
+    O_kv    = A' V'  (both)
+
+Quantities (one value per head; key/value per KV head, the rest per query head; GQA: query head h reads KV head
+h // groups):
+    key, value          reconstruction error of K', V' over [T, D]
+    attn_score          A vs A' over the causal [T, T] (all prefill rows)
+    attn_out_k, attn_out_v, attn_out     O vs O_k, O_v, O_kv over [T, D]
+    *_decode            the same on the last query row only ([T] for scores, [D] for outputs): what one decode
+                        step after this prompt would see
+    sparsity(_decode)   share of A's visible weights below `sparsity_rel` x the row max (exact A, a property of
+                        the model), mean over rows
+    top{k}_mass(_decode) share of each row's mass in its k largest weights (exact A), mean over rows
+Each error quantity is reported in every definition of `kvq_lab.probes.metrics.ERRORS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.quant.reference import fake_quant
+from kvq_lab.quant.spec import QuantSpec
+
+from .capture import LayerCapture
+from .metrics import DEFAULT_KIVI_EPS, ERRORS, sparsity, topk_mass
+
+ERROR_QUANTITIES = (
+    "key",
+    "value",
+    "attn_score",
+    "attn_score_decode",
+    "attn_out_k",
+    "attn_out_k_decode",
+    "attn_out_v",
+    "attn_out_v_decode",
+    "attn_out",
+    "attn_out_decode",
+)
+KV_QUANTITIES = ("key", "value")  # measured per KV head
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Probe options (conf/task/probe.yaml for task=probe; the `probes:` block of conf/config.yaml for probe=true).
+
+    n_prompts: prompts measured; max_tokens: each prompt truncated to this many tokens; source: where prompts come
+    from (`coqa` stories, or `task` = the running task's own prompts, falling back to coqa);
+    kivi_eps: guard of `kivi_ratio`; sparsity_rel: a weight below sparsity_rel x row max counts as sparse;
+    topk: k of `top{k}_mass`; figures: write heat-map PNGs next to the record.
+    """
+
+    n_prompts: int = 8
+    max_tokens: int = 512
+    source: str = "coqa"
+    kivi_eps: float = DEFAULT_KIVI_EPS
+    sparsity_rel: float = 0.01
+    topk: int = 16
+    figures: bool = True
+
+    @classmethod
+    def from_dict(cls, d) -> ProbeSettings:
+        d = {k: v for k, v in dict(d or {}).items() if k != "name"}  # `name` is the task's registry name
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown probe setting(s) {unknown}; known: {', '.join(cls.__dataclass_fields__)}")
+        s = cls(**d)
+        for name in ("n_prompts", "max_tokens", "topk"):
+            v = getattr(s, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"probe setting {name}={v!r} must be an integer >= 1")
+        return s
+
+    def quantities(self) -> tuple[str, ...]:
+        k = f"top{self.topk}_mass"
+        return ERROR_QUANTITIES + ("sparsity", "sparsity_decode", k, f"{k}_decode")
+
+
+def quantize_kv(
+    key: torch.Tensor, value: torch.Tensor, cache: CacheConfig, rope: RopeHelper | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fake-quantize one layer's whole-prompt K and V ([H_kv, T, D], post-RoPE keys) as the cache config says.
+
+    Sink tokens stay exact and groups start at the first non-sink token (as the simulated cache). rope=pre needs
+    `rope` (the model's rotary module): keys are un-rotated at positions 0..T-1, quantized, and rotated back.
+    `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's fake quant).
+    """
+    s = cache.sink_tokens
+
+    def fq(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+        if spec.is_identity or x.shape[-2] <= s:
+            return x
+        out = fake_quant(x[None, :, s:], spec, partial="zero")[0]
+        return torch.cat([x[:, :s], out], dim=-2) if s else out
+
+    if cache.rope == "pre" and not cache.key.is_identity:
+        if rope is None:
+            raise ValueError("rope=pre needs the model's rotary embedding (RopeHelper) to un-rotate the keys")
+        pos = torch.arange(key.shape[-2], device=key.device)[None]
+        cos, sin = rope.cos_sin(key[None], pos)
+        pre = RopeHelper.unrotate(key[None].float(), cos, sin)[0]
+        kq = RopeHelper.rotate(fq(pre, cache.key)[None], cos, sin)[0]
+    else:
+        kq = fq(key.float(), cache.key)
+    return kq, fq(value.float(), cache.value)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, scaling: float, groups: int) -> torch.Tensor:
+    """Causal attention probabilities A [H, T, T] (fp32) from q [H, T, D] and k [H_kv, T, D], GQA expanded."""
+    T = q.shape[-2]
+    kx = k.float().repeat_interleave(groups, dim=0)
+    s = torch.matmul(q.float(), kx.transpose(-1, -2)) * scaling
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, -torch.inf)
+    return torch.softmax(s, dim=-1)
+
+
+def layer_errors(
+    cap: LayerCapture, cache: CacheConfig, settings: ProbeSettings, rope: RopeHelper | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """{quantity: {definition: tensor [heads]}} for one captured layer (see the module docstring).
+
+    Sparsity quantities have one definition, `value`. Key/value tensors have H_kv entries, the others H.
+    """
+    g = cap.groups
+    q, k, v = cap.query.float(), cap.key.float(), cap.value.float()
+    kq, vq = quantize_kv(k, v, cache, rope)
+    vx, vqx = v.repeat_interleave(g, dim=0), vq.repeat_interleave(g, dim=0)
+
+    a = attention(q, k, cap.scaling, g)
+    aq = a if cache.key.is_identity else attention(q, kq, cap.scaling, g)
+    o = a @ vx
+    pairs = {
+        "key": (k, kq),
+        "value": (v, vq),
+        "attn_score": (a, aq),
+        "attn_out_k": (o, aq @ vx),
+        "attn_out_v": (o, a @ vqx),
+        "attn_out": (o, aq @ vqx),
+    }
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    kwargs = {"kivi_ratio": {"eps": settings.kivi_eps}}
+    for name, (x, xq) in pairs.items():
+        out[name] = {d: fn(x, xq, dims=(-2, -1), **kwargs.get(d, {})) for d, fn in ERRORS.items()}
+        if name not in KV_QUANTITIES:  # decode row: the last query attends to the whole prompt
+            out[f"{name}_decode"] = {
+                d: fn(x[:, -1], xq[:, -1], dims=-1, **kwargs.get(d, {})) for d, fn in ERRORS.items()
+            }
+    T = a.shape[-1]
+    visible = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
+    out["sparsity"] = {"value": sparsity(a, visible, settings.sparsity_rel)}
+    out["sparsity_decode"] = {"value": sparsity(a[:, -1:], visible[-1:], settings.sparsity_rel)}
+    kname = f"top{settings.topk}_mass"
+    out[kname] = {"value": topk_mass(a, settings.topk)}
+    out[f"{kname}_decode"] = {"value": topk_mass(a[:, -1:], settings.topk)}
+    return out
+
+
+def reference_output(cap: LayerCapture) -> torch.Tensor:
+    """A V [H, T, D] recomputed from the captured q/k/v: must equal `cap.output` (the model's own attention)."""
+    a = attention(cap.query, cap.key, cap.scaling, cap.groups)
+    return a @ cap.value.float().repeat_interleave(cap.groups, dim=0)

@@ -1,0 +1,92 @@
+"""Error and sparsity metrics, as small pure functions over tensors.
+
+Every error metric compares an exact tensor `x` with its approximation `xq` (same shape) and reduces over
+`dims` (default: the last two, i.e. one value per head of a `[H, T, D]` or `[H, T, T]` tensor). All arithmetic
+is fp32 (fp64 for the sums). Three definitions are offered side by side because they disagree:
+
+    rel_fro     ||X - X'||_F / ||X||_F                             scale-free, dominated by large entries
+    sqnr_db     10 log10(||X||_F^2 / ||X - X'||_F^2)               the same information in dB (= -20 log10 rel_fro)
+    kivi_ratio  sqrt(mean_{kept} ((x - x') / x)^2)                 KIVI Table 2's "||(X - X')/X||_F", RMS form
+
+`kivi_ratio`: KIVI (arXiv 2402.02750, Table 2) writes its errors as the Frobenius norm of the element-wise ratio
+and says no more. That ratio explodes where x is near zero, so entries with |x| < eps * max|x| (max over the same
+reduced slice, eps = 0.01 by default) are left out, and the norm is divided by sqrt(number of kept entries) so the
+value does not grow with the tensor's size (a raw Frobenius norm would: it is this value times sqrt(n_kept)). It is
+dominated by the smallest kept entries, so it rewards quantizers that are accurate on small values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_KIVI_EPS = 0.01
+
+
+def _dims(x: torch.Tensor, dims) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(x.dim()))
+    return (dims,) if isinstance(dims, int) else tuple(dims)
+
+
+def _sq(x: torch.Tensor, dims) -> torch.Tensor:
+    return x.double().square().sum(dim=_dims(x, dims))
+
+
+def rel_fro(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1)) -> torch.Tensor:
+    """||x - xq||_F / ||x||_F over `dims`. 0 when the two are equal (even if x is all zeros), inf when x is zero
+    and xq is not."""
+    err, ref = _sq(x.float() - xq.float(), dims), _sq(x, dims)
+    out = torch.where(ref > 0, (err / ref.clamp_min(1e-300)).sqrt(), torch.where(err > 0, torch.inf, 0.0))
+    return out.float()
+
+
+def sqnr_db(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1)) -> torch.Tensor:
+    """10 log10(||x||^2 / ||x - xq||^2) in dB over `dims`; +inf when xq equals x. Higher is better."""
+    err, ref = _sq(x.float() - xq.float(), dims), _sq(x, dims)
+    out = 10 * torch.log10(ref / err.clamp_min(1e-300))
+    out = torch.where(err > 0, out, torch.inf)
+    return torch.where((err > 0) & (ref == 0), -torch.inf, out).float()
+
+
+def kivi_ratio(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1), eps: float = DEFAULT_KIVI_EPS) -> torch.Tensor:
+    """sqrt(mean over kept entries of ((x - xq) / x)^2), kept = |x| >= eps * max|x| (max over `dims`).
+
+    KIVI Table 2's element-wise-ratio Frobenius norm with a guard against division by near-zero entries and an
+    RMS normalisation (see the module docstring). 0 when nothing is kept.
+    """
+    xf, d = x.float(), _dims(x, dims)
+    mag = xf.abs()
+    floor = eps * mag.amax(dim=d, keepdim=True)
+    keep = (mag >= floor) & (mag > 0)
+    ratio = torch.where(keep, (xf - xq.float()) / torch.where(keep, xf, torch.ones_like(xf)), 0.0)
+    n = keep.sum(dim=d).clamp_min(1)
+    return (_sq(ratio, d) / n).sqrt().float()
+
+
+ERRORS = {"kivi_ratio": kivi_ratio, "rel_fro": rel_fro, "sqnr_db": sqnr_db}
+"""Error definitions reported side by side, by name (the names used in tables, records and W&B)."""
+
+
+def sparsity(a: torch.Tensor, visible: torch.Tensor | None = None, rel: float = 0.01) -> torch.Tensor:
+    """Share of attention weights below `rel` x their row's max, among the row's visible (unmasked) keys.
+
+    a: [..., Q, K] attention probabilities; visible: bool broadcastable to a (None = all visible).
+    Returns [...]: the mean over rows of each row's share. KIVI quotes 84.3% sparsity without a definition;
+    this is ours.
+    """
+    vis = torch.ones_like(a, dtype=torch.bool) if visible is None else visible.expand_as(a)
+    row_max = torch.where(vis, a, -torch.inf).amax(-1, keepdim=True)
+    small = (a < rel * row_max) & vis
+    share = small.sum(-1).float() / vis.sum(-1).clamp_min(1).float()
+    return share.mean(-1)
+
+
+def topk_mass(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Share of each row's probability mass held by its `k` largest weights, averaged over rows.
+
+    a: [..., Q, K] attention probabilities (masked entries are 0, so they never enter the top k of a row with
+    at least k visible keys; a row with <= k visible keys scores 1). Returns [...].
+    """
+    k = min(k, a.shape[-1])
+    top = a.float().topk(k, dim=-1).values.sum(-1)
+    return (top / a.float().sum(-1).clamp_min(1e-30)).mean(-1)

@@ -1,0 +1,108 @@
+"""`task=probe` (probes on real text), and `probe=true` (probes beside any task, on a sample of its prompts).
+
+Both capture q/k/v in one exact forward pass per prompt and measure the run's key/value quantizers at every layer
+(see `kvq_lab.probes.errors`). Flat `probe/...` aggregates go into the metrics; the per-layer/head tables, W&B
+tables and heat-map PNGs (written into the run folder) go into the record's artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from kvq_lab.tasks import COQA_FILE, Task, TaskContext, register_task
+
+from .errors import ProbeSettings
+from .probe import probe_model, tokenize
+from .report import artifacts, flat_metrics
+
+log = logging.getLogger("kvq_lab")
+
+
+def _coqa_docs(data_dir: Path | None, n: int) -> list[dict]:
+    if data_dir is not None:
+        path = Path(data_dir) / COQA_FILE
+        docs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:  # the hub copy, as the coqa task does without a data dir
+        from kvq_lab.eval.tasks.coqa.utils import load_coqa
+
+        docs = list(load_coqa()["validation"])
+    return docs[:n]
+
+
+def coqa_stories(data_dir: Path | None, n: int) -> list[str]:
+    """The first n CoQA validation stories (the passage only)."""
+    return [d["story"] for d in _coqa_docs(data_dir, n)]
+
+
+def coqa_task_prompts(data_dir: Path | None, n: int) -> list[str]:
+    """The prompts the coqa tasks generate from: story + Q/A turns up to the last question (lm-eval's coqa)."""
+    from kvq_lab.eval.tasks.coqa.utils import doc_to_text
+
+    return [doc_to_text(d) for d in _coqa_docs(data_dir, n)]
+
+
+SOURCES = {"coqa": coqa_stories}
+# The running task's own prompts, for probe=true (keep="tail": a long prompt keeps its end, where generation starts).
+TASK_PROMPTS = {"coqa": coqa_task_prompts, "coqa_turns": coqa_task_prompts}
+
+
+def _settings(d) -> ProbeSettings:
+    return ProbeSettings.from_dict(OmegaConf.to_container(d, resolve=True) if OmegaConf.is_config(d) else d)
+
+
+def _measure(ctx: TaskContext, cache, prompts: list[str], settings: ProbeSettings, keep: str) -> dict[str, float]:
+    ids = tokenize(ctx.tokenizer, prompts, settings.max_tokens, keep=keep)
+    res = probe_model(ctx.model, ids, cache, settings)
+    ctx.artifacts.update(artifacts(res, settings, ctx.run_dir if settings.figures else None, title=cache.label()))
+    return flat_metrics(res)
+
+
+class ProbeTask(Task):
+    """Reconstruction, attention-score and attention-output error per layer and head on real text (no accuracy)."""
+
+    name = "probe"
+    data_files = (COQA_FILE,)
+
+    def check(self, cfg, data_dir):
+        from kvq_lab.config import ConfigError
+
+        try:
+            s = _settings(cfg.task)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"task=probe: {e}") from None
+        if s.source not in SOURCES:
+            raise ConfigError(
+                f"task.source={s.source!r} is not a probe prompt source; choose one of: {', '.join(SOURCES)}"
+            )
+        super().check(cfg, data_dir)
+
+    def run(self, ctx: TaskContext) -> dict[str, float]:
+        from kvq_lab.config import cache_config
+
+        s = _settings(ctx.cfg.task)
+        n = min(s.n_prompts, ctx.limit) if ctx.limit else s.n_prompts
+        prompts = SOURCES[s.source](ctx.data_dir, n)
+        return _measure(ctx, cache_config(ctx.cfg), prompts, s, keep="head")
+
+
+register_task(ProbeTask())
+
+
+def run_probes_for_task(ctx: TaskContext, plan) -> dict[str, float]:
+    """probe=true: the probes on the first `probes.n_prompts` of the task's prompts (coqa stories when the task has
+    no prompt source here). Returns flat `probe/...` metrics; tables and figures go into ctx.artifacts."""
+    if plan.task == ProbeTask.name:
+        return {}
+    s = _settings(ctx.cfg.get("probes") or {})
+    source = TASK_PROMPTS.get(plan.task)
+    if source is None:
+        log.warning("probe=true: task %s has no probe prompt source; probing CoQA stories instead", plan.task)
+        prompts, keep = coqa_stories(plan.data_dir, s.n_prompts), "head"
+    else:
+        prompts, keep = source(plan.data_dir, s.n_prompts), "tail"
+    ctx.artifacts["probe_prompt_source"] = plan.task if source else "coqa"
+    return _measure(ctx, plan.cache, prompts, s, keep=keep)
