@@ -72,6 +72,20 @@ def test_metrics_edge_cases_and_reduction_shape():
     assert kivi_ratio(x, xq)[1].item() == pytest.approx(0.1, rel=1e-5)
 
 
+def test_all_errors_equals_each_definition():
+    from kvq_lab.probes.metrics import ERRORS, all_errors
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 7, 5, generator=g)
+    xq = x + 0.1 * torch.randn(3, 7, 5, generator=g)
+    for dims in ((-2, -1), -1):
+        fused = all_errors(x, xq, dims=dims, eps=0.05)
+        assert set(fused) == set(ERRORS)
+        for name, fn in ERRORS.items():
+            kw = {"eps": 0.05} if name == "kivi_ratio" else {}
+            torch.testing.assert_close(fused[name], fn(x, xq, dims=dims, **kw))
+
+
 def test_sparsity_and_topk_hand_computed():
     a = torch.tensor([[0.5, 0.496, 0.004], [0.2, 0.3, 0.5]])
     # row 0: 0.004 < 0.01 * 0.5 -> 1/3 sparse; row 1: none

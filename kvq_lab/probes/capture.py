@@ -90,8 +90,9 @@ def capture_attention(model):
 
 def capture(model, input_ids: torch.Tensor) -> list[LayerCapture]:
     """One exact forward pass over `input_ids` [1, T]; returns one `LayerCapture` per attention layer."""
+    base = getattr(model, "model", model)  # the decoder stack: the LM head's logits are not needed
     with torch.no_grad(), capture_attention(model) as records:
-        model(input_ids=input_ids, use_cache=False)
+        base(input_ids=input_ids, use_cache=False)
     n = model.config.get_text_config(decoder=True).num_hidden_layers
     if len(records) != n:
         raise RuntimeError(

@@ -35,7 +35,7 @@ from kvq_lab.quant.reference import fake_quant
 from kvq_lab.quant.spec import QuantSpec
 
 from .capture import LayerCapture
-from .metrics import DEFAULT_KIVI_EPS, ERRORS, sparsity, topk_mass
+from .metrics import DEFAULT_KIVI_EPS, all_errors, sparsity, topk_mass
 
 ERROR_QUANTITIES = (
     "key",
@@ -151,13 +151,10 @@ def layer_errors(
         "attn_out": (o, aq @ vqx),
     }
     out: dict[str, dict[str, torch.Tensor]] = {}
-    kwargs = {"kivi_ratio": {"eps": settings.kivi_eps}}
     for name, (x, xq) in pairs.items():
-        out[name] = {d: fn(x, xq, dims=(-2, -1), **kwargs.get(d, {})) for d, fn in ERRORS.items()}
+        out[name] = all_errors(x, xq, dims=(-2, -1), eps=settings.kivi_eps)
         if name not in KV_QUANTITIES:  # decode row: the last query attends to the whole prompt
-            out[f"{name}_decode"] = {
-                d: fn(x[:, -1], xq[:, -1], dims=-1, **kwargs.get(d, {})) for d, fn in ERRORS.items()
-            }
+            out[f"{name}_decode"] = all_errors(x[:, -1], xq[:, -1], dims=-1, eps=settings.kivi_eps)
     T = a.shape[-1]
     visible = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
     out["sparsity"] = {"value": sparsity(a, visible, settings.sparsity_rel)}

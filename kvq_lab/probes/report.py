@@ -90,7 +90,7 @@ def heatmaps(res: ProbeResult, out_dir: Path, title: str = "") -> dict[str, Path
                 data = res.tables[q][key].numpy()
                 finite = data[abs(data) != float("inf")]
                 vmin, vmax = (finite.min(), finite.max()) if finite.size else (0, 1)
-                cmap = "viridis_r" if key == "sqnr_db" else "viridis"  # dark = bad in every panel
+                cmap = "viridis_r" if key == "sqnr_db" else "viridis"  # bright = bad in every error panel
                 im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
                 label = f"{q} [{key}]" if key != "value" else f"{q} (exact A)"
                 ax.set_title(f"{label}\nmean {data.mean():.3g}", fontsize=9)
