@@ -362,3 +362,19 @@ def test_smollm2_capture_is_exact_and_16bit_is_zero():
         torch.testing.assert_close(reference_output(c), c.output, rtol=1e-4, atol=1e-5)
     res = probe_model(model, [ids], cache(16, "channel", 16, "token"))
     assert all((res.tables[q]["rel_fro"] == 0).all() for q in ERROR_QUANTITIES)
+
+
+def test_table2_puts_each_axis_in_its_column():
+    from kvq_lab.probes.report import table2
+
+    def rec(ka, va, key, value):
+        m = {"probe/key/kivi_ratio/mean": key, "probe/value/kivi_ratio/mean": value}
+        return {"config": {"key_axis": ka, "value_axis": va}, "metrics": m}
+
+    md = table2(
+        [rec("token", "token", 2.0, 5.0), rec("channel", "token", 1.0, 5.0), rec("channel", "channel", 1.0, 3.0)]
+    )
+    row = {line.split("|")[1].strip() + "/" + line.split("|")[2].strip(): line for line in md.splitlines()[2:]}
+    assert "| 2 | 1 | 13.67 | 4.55 |" in row["key reconstruction/kivi_ratio"]
+    assert "| 5 | 3 | 4.57 | 3.73 |" in row["value reconstruction/kivi_ratio"]
+    assert "| - | - |" in row["value reconstruction/rel_fro"]

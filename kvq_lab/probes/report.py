@@ -195,6 +195,65 @@ def table2(records: list[dict], definitions=("kivi_ratio", "rel_fro", "sqnr_db")
     return "\n".join(lines)
 
 
+def record_matrix(rec: dict, column: str):
+    """[L, heads] numpy matrix of one per-head column of a probe record (KV quantities: one column per KV head)."""
+    import numpy as np
+
+    t = rec["artifacts"]["probe_tables"]["per_head"]
+    cols = t["columns"]
+    i, li, hi, ki = cols.index(column), cols.index("layer"), cols.index("head"), cols.index("kv_head")
+    kv = column.split("/")[0] in KV_QUANTITIES
+    rows = [r for r in t["rows"] if not kv or r[hi] == min(x[hi] for x in t["rows"] if x[ki] == r[ki])]
+    L = max(r[li] for r in rows) + 1
+    m = np.array([r[i] for r in rows], dtype=float)
+    return m.reshape(L, -1)
+
+
+AXIS_PANELS = {
+    "key_axis": ["key", "attn_score", "attn_score_decode", "attn_out_k", "attn_out_k_decode"],
+    "value_axis": ["value", "attn_out_v", "attn_out_v_decode"],
+}
+
+
+def axis_figure(records: list[dict], definition: str, path: Path, title: str = "") -> Path:
+    """Per-token vs per-channel heat-maps (layer x head) for keys and for values, one shared colour scale per
+    column (log scale for error ratios), so the two axes can be compared cell by cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm, Normalize
+
+    ncol = max(len(v) for v in AXIS_PANELS.values())
+    fig, axes = plt.subplots(4, ncol, figsize=(3.4 * ncol, 15), squeeze=False)
+    for b, (knob, quantities) in enumerate(AXIS_PANELS.items()):
+        pick = {a: next((r for r in records if r["config"].get(knob) == a), None) for a in ("token", "channel")}
+        for c in range(ncol):
+            if c >= len(quantities) or None in pick.values():
+                for a in range(2):
+                    axes[2 * b + a][c].axis("off")
+                continue
+            q = quantities[c]
+            mats = {a: record_matrix(r, f"{q}/{definition}") for a, r in pick.items()}
+            lo = min(m[m > 0].min() if (m > 0).any() else 1e-6 for m in mats.values())
+            hi = max(m.max() for m in mats.values())
+            norm = Normalize(lo, hi) if definition == "sqnr_db" else LogNorm(max(lo, 1e-6), max(hi, 2e-6))
+            for a_i, (a, m) in enumerate(mats.items()):
+                ax = axes[2 * b + a_i][c]
+                cmap = "viridis_r" if definition == "sqnr_db" else "viridis"
+                im = ax.imshow(m, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+                ax.set_title(f"{knob.split('_')[0]} per-{a}: {q}\nmean {m.mean():.3g}", fontsize=9)
+                ax.set_xlabel("KV head" if q in KV_QUANTITIES else "head", fontsize=8)
+                ax.set_ylabel("layer", fontsize=8)
+                fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"{title}  {definition}: keys (rows 1-2), values (rows 3-4); bright = worse", fontsize=12)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> None:
     from kvq_lab.results import load_records
 
@@ -202,6 +261,9 @@ def main(argv=None) -> None:
     ap.add_argument("results_dir", nargs="?", default="results")
     ap.add_argument("--experiment", default=None, help="only records with this experiment_name")
     ap.add_argument("--runs", nargs="*", default=None, help="only these run folder names")
+    ap.add_argument(
+        "--figures", default=None, help="folder for per-token vs per-channel heat-maps (one per definition)"
+    )
     args = ap.parse_args(argv)
     recs = [
         r
@@ -213,6 +275,9 @@ def main(argv=None) -> None:
     ]
     print(f"{len(recs)} probe records")
     print(table2(recs))
+    if args.figures:
+        for d in ERRORS:
+            print(axis_figure(recs, d, Path(args.figures) / f"axis_heatmaps_{d}.png", title=args.experiment or ""))
 
 
 if __name__ == "__main__":
