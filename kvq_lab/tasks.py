@@ -80,4 +80,30 @@ COQA_FILE = "coqa/coqa-validation.first20.lm_eval.jsonl"
 register_task(LmEvalTask("coqa", (COQA_FILE,)))
 register_task(LmEvalTask("coqa_turns", (COQA_FILE,)))
 
+
+class PplTask(Task):
+    """Decode-mode perplexity through the cache (kvq_lab/eval/ppl.py); options in conf/task/ppl.yaml."""
+
+    name = "ppl"
+    data_files = (COQA_FILE,)
+
+    def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
+        from kvq_lab.eval.ppl import check_options
+
+        super().check(cfg, data_dir)
+        try:
+            check_options(cfg.task)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def run(self, ctx: TaskContext) -> dict[str, float]:
+        from kvq_lab.eval.ppl import run_ppl
+
+        return run_ppl(ctx)
+
+
+register_task(PplTask())
+register_task(LmEvalTask("gsm8k", ("gsm8k/test.jsonl", "gsm8k/train.jsonl")))
+register_task(LmEvalTask("truthfulqa_gen", ("truthfulqa/TruthfulQA.csv",)))
+
 from kvq_lab.probes import task as _probe_task  # noqa: E402,F401  (registers task=probe)
