@@ -1,0 +1,306 @@
+"""Experiment tables and figures from run records: ours beside the paper's (scripts/make_table.py, notebooks/).
+
+One row per cache setting (`record["cache"]`, e.g. `K2b-C32_V2b-T32_sim`) of an experiment
+(`record["experiment"]` / `config.experiment_name`); one column group per task measured. For each (row, task)
+the record covering the most documents wins (a full run over a `limit=` one), the newest among equals. A row
+with no successful record shows why: `failed: <error>` or `incomplete` (a run that was killed or is running).
+Error-probe columns (`probe/...` metrics, from `task=probe` or `probe=true` runs) are joined by cache label and
+model; the paper column comes from `kvq_lab.anchors`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvq_lab.anchors import BENCHMARKS, DEFAULT_MODEL, SOURCE, TASK_TO_BENCHMARK, paper_values, row_name
+from kvq_lab.results import load_records
+
+# task -> [(metric, column title, per-sample field for a standard error)]
+TASK_METRICS: dict[str, list[tuple[str, str, str | None]]] = {
+    "coqa_turns": [("coqa_turns/em", "CoQA-turns EM", "em"), ("coqa_turns/f1", "CoQA-turns F1", "f1")],
+    "coqa": [("coqa/em", "CoQA EM", "em"), ("coqa/f1", "CoQA F1", "f1")],
+    "gsm8k": [
+        ("gsm8k/exact_match_strict-match", "GSM8K strict", None),
+        ("gsm8k/exact_match_flexible-extract", "GSM8K flexible", None),
+    ],
+    "truthfulqa_gen": [("truthfulqa_gen/bleu_max", "TruthfulQA BLEU", None)],
+    "ppl": [("ppl/ppl", "decode ppl", None)],
+}
+# error probes (relative Frobenius error, mean over layers, heads, prompts): KIVI Table 2's quantities
+PROBE_METRICS = [
+    ("probe/key/rel_fro/mean", "K err"),
+    ("probe/value/rel_fro/mean", "V err"),
+    ("probe/attn_score_decode/rel_fro/mean", "score err"),
+    ("probe/attn_out_decode/rel_fro/mean", "attn-out err"),
+]
+PROBE_TASK = "probe"
+
+
+@dataclass
+class Cell:
+    """One (row, task): the chosen record's metrics, or why there is none."""
+
+    status: str  # ok | failed | incomplete
+    metrics: dict = field(default_factory=dict)
+    stderr: dict = field(default_factory=dict)  # metric -> standard error over documents (when samples exist)
+    limit: int | None = None
+    n: int | None = None
+    error: str = ""
+    path: str = ""
+
+
+@dataclass
+class Row:
+    cache: str
+    name: str
+    config: dict
+    cells: dict[str, Cell] = field(default_factory=dict)  # task -> cell
+    probes: dict = field(default_factory=dict)
+    paper: dict = field(default_factory=dict)
+
+
+def _experiment(rec: dict) -> str | None:
+    return rec.get("experiment") or rec.get("config", {}).get("experiment_name")
+
+
+def _task(rec: dict) -> str:
+    return rec.get("config", {}).get("task", {}).get("name", "?")
+
+
+def _model(rec: dict) -> str:
+    m = rec.get("config", {}).get("model", {})
+    return str(m.get("path") or m.get("name"))
+
+
+def _coverage(rec: dict) -> float:
+    lim = rec.get("config", {}).get("limit")
+    return math.inf if lim is None else float(lim)
+
+
+def _stderr(run_dir: str, metrics: list[tuple[str, str, str | None]]) -> dict[str, float]:
+    """Standard error (in %) of per-document scores from samples.json, for the metrics that have one."""
+    p = Path(run_dir) / "samples.json"
+    if not p.exists():
+        return {}
+    try:
+        samples = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    out = {}
+    for key, _, fld in metrics:
+        vals = [float(s[fld]) for s in samples if fld and isinstance(s.get(fld), (int, float))]
+        if len(vals) > 1:
+            mean = sum(vals) / len(vals)
+            var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+            out[key] = 100 * math.sqrt(var / len(vals))
+    return out
+
+
+def _sort_key(row: Row):
+    c = row.config
+
+    def bits(k):
+        return c.get("bits") or c.get(k, 16)
+
+    return (
+        c.get("mode") != "simulated",
+        c.get("residual_length", 0),
+        c.get("group_size", 32),
+        c.get("rope") == "pre",
+        -bits("key_bits"),
+        -bits("value_bits"),
+        c.get("value_axis") != "token",
+        c.get("key_axis") != "channel",
+        row.cache,
+    )
+
+
+def build_rows(
+    records: list[dict],
+    experiment: str,
+    limit: int | None = None,
+    paper_model: str = DEFAULT_MODEL,
+    probe_records: list[dict] | None = None,
+) -> list[Row]:
+    """Rows of `experiment` from `records` (see the module docstring). `limit`: only runs with that limit."""
+    recs = [r for r in records if _experiment(r) == experiment and _task(r) != PROBE_TASK]
+    if limit is not None:
+        recs = [r for r in recs if r.get("config", {}).get("limit") == limit]
+    rows: dict[str, Row] = {}
+    for r in recs:
+        label = r.get("cache") or "?"
+        rows.setdefault(label, Row(label, row_name(r["config"]), r["config"]))
+    for label, row in rows.items():
+        mine = [r for r in recs if r.get("cache") == label]
+        for task in dict.fromkeys(_task(r) for r in mine):
+            of_task = [r for r in mine if _task(r) == task]  # oldest first (load_records sorts by folder name)
+            ok = [r for r in of_task if r.get("status") == "ok"]
+            if ok:
+                best = max(enumerate(ok), key=lambda ir: (_coverage(ir[1]), ir[0]))[1]
+                specs = TASK_METRICS.get(task, [])
+                n = next((v for k, v in best["metrics"].items() if k.endswith("/n") or k.endswith("/n_tokens")), None)
+                row.cells[task] = Cell(
+                    "ok",
+                    best["metrics"],
+                    _stderr(best["_path"], specs),
+                    best["config"].get("limit"),
+                    n,
+                    path=best["_path"],
+                )
+                row.config = best["config"]
+            else:
+                last = of_task[-1]
+                status = "failed" if last.get("status") == "failed" else "incomplete"
+                row.cells[task] = Cell(
+                    status,
+                    error=str(last.get("error", "")),
+                    path=last["_path"],
+                    limit=last.get("config", {}).get("limit"),
+                )
+        row.paper = paper_values(row.config, paper_model)
+    # probes: any successful record with probe metrics, same cache label and model (newest wins)
+    pool = probe_records if probe_records is not None else records
+    for row in rows.values():
+        model = _model({"config": row.config})
+        for r in pool:
+            if r.get("status") == "ok" and r.get("cache") == row.cache and _model(r) == model:
+                got = {k: v for k, v in r.get("metrics", {}).items() if k.startswith("probe/")}
+                if got:
+                    row.probes = got
+    return sorted(rows.values(), key=_sort_key)
+
+
+def load_rows(
+    results_dir: str | Path, experiment: str, limit: int | None = None, paper_model: str = DEFAULT_MODEL
+) -> list[Row]:
+    return build_rows(load_records(Path(results_dir)), experiment, limit=limit, paper_model=paper_model)
+
+
+def _fmt(x, digits: int = 2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return str(x)
+    if isinstance(x, float) and abs(x) >= 1000:
+        return f"{x:.4g}"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def tasks_of(rows: list[Row]) -> list[str]:
+    return list(dict.fromkeys(t for row in rows for t in row.cells))
+
+
+def markdown_table(rows: list[Row], paper_model: str = DEFAULT_MODEL) -> str:
+    """The table: row name, cache label, our metrics (± standard error over documents), the paper's column for
+    each benchmark we measured, error probes when any row has them."""
+    tasks = tasks_of(rows)
+    benches = [b for b in BENCHMARKS if any(TASK_TO_BENCHMARK.get(t) == b for t in tasks)]
+    probe_cols = [(k, t) for k, t in PROBE_METRICS if any(k in row.probes for row in rows)]
+    head = ["setting", "cache"]
+    for t in tasks:
+        head += [title for _, title, _ in TASK_METRICS.get(t, [])] or [t]
+        head.append(f"{t} n")
+    head += [f"paper {b} ({paper_model})" for b in benches]
+    head += [title for _, title in probe_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row.name, f"`{row.cache}`"]
+        for t in tasks:
+            specs = TASK_METRICS.get(t, []) or [(None, t, None)]
+            c = row.cells.get(t)
+            if c is None:
+                cells += ["-"] * len(specs) + ["-"]
+            elif c.status != "ok":
+                why = c.error.splitlines()[0][:80] if c.error else "no record finished (killed or still running)"
+                cells += [f"**{c.status}**: {why}"] + ["-"] * (len(specs) - 1) + ["-"]
+            else:
+                for key, _, _ in specs:
+                    v = c.metrics.get(key)
+                    se = c.stderr.get(key)
+                    cells.append(_fmt(v) + (f" ± {se:.1f}" if se is not None else ""))
+                cells.append(_fmt(c.n) + ("" if c.limit is None else f" (limit={c.limit})"))
+        cells += [_fmt(row.paper.get(b)) for b in benches]
+        cells += [_fmt(row.probes.get(k), 3) for k, _ in probe_cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bar_chart(rows: list[Row], path: str | Path, title: str = "", paper_model: str = DEFAULT_MODEL) -> Path:
+    """PNG: one panel per task (its first metric per row), the paper's value as a hatched bar beside ours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = tasks_of(rows) or ["(none)"]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(6, 1.3 * len(rows)) * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        key, title_m, _ = (TASK_METRICS.get(task) or [(None, task, None)])[-1 if task.startswith("coqa") else 0]
+        bench = TASK_TO_BENCHMARK.get(task)
+        xs = range(len(rows))
+        ours = [
+            row.cells[task].metrics.get(key, math.nan)
+            if task in row.cells and row.cells[task].status == "ok"
+            else math.nan
+            for row in rows
+        ]
+        errs = [row.cells[task].stderr.get(key, 0.0) if task in row.cells else 0.0 for row in rows]
+        w = 0.4 if bench else 0.8
+        ax.bar([x - (w / 2 if bench else 0) for x in xs], ours, w, yerr=errs, capsize=3, label="ours")
+        if bench:
+            paper = [row.paper.get(bench, math.nan) for row in rows]
+            ax.bar([x + w / 2 for x in xs], paper, w, hatch="//", alpha=0.6, label=f"paper {bench} ({paper_model})")
+        for x, v, row in zip(xs, ours, rows, strict=True):
+            if math.isnan(v):
+                status = row.cells[task].status if task in row.cells else "missing"
+                ax.text(x, 0, status, rotation=90, ha="center", va="bottom", fontsize=8)
+        if key == "ppl/ppl":
+            ax.set_yscale("log")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([row.name for row in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(title_m)
+        ax.set_title(task)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def describe(rows: list[Row], experiment: str, paper_model: str = DEFAULT_MODEL) -> str:
+    """A header for the table: model, tasks, limits, and where the paper numbers come from."""
+    models = sorted({_model({"config": r.config}) for r in rows})
+    limits = sorted({str(c.limit) for r in rows for c in r.cells.values()})
+    return (
+        f"Experiment `{experiment}`: {len(rows)} settings; model {', '.join(models) or '-'}; tasks "
+        f"{', '.join(tasks_of(rows)) or '-'}; limit {', '.join(limits) or '-'} (None = all documents). "
+        f"Paper column: {SOURCE}, {paper_model}. ± = standard error over documents."
+    )
+
+
+def make_report(
+    results_dir: str | Path,
+    experiment: str,
+    out_dir: str | Path | None = None,
+    limit: int | None = None,
+    paper_model: str = DEFAULT_MODEL,
+) -> tuple[str, Path | None]:
+    """-> (markdown, PNG path or None). Writes table.md and <experiment>.png under out_dir when given."""
+    rows = load_rows(results_dir, experiment, limit=limit, paper_model=paper_model)
+    if not rows:
+        return f"no records for experiment `{experiment}` under {results_dir}/runs", None
+    md = describe(rows, experiment, paper_model) + "\n\n" + markdown_table(rows, paper_model)
+    png = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(md + "\n")
+        png = bar_chart(rows, out / f"{experiment}.png", title=experiment, paper_model=paper_model)
+    return md, png
