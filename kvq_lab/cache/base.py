@@ -92,7 +92,7 @@ class QuantizedKVCache(Cache):
     """
 
     def __init__(self, cfg: CacheConfig, num_layers: int, rotary_emb: torch.nn.Module | None = None):
-        from . import simulated  # noqa: F401  (registers the layer classes)
+        from . import packed, simulated  # noqa: F401  (registers the layer classes)
 
         if cfg.mode not in LAYERS:
             raise ValueError(f"no cache layer registered for mode={cfg.mode!r}; have {sorted(LAYERS)}")
@@ -112,7 +112,11 @@ class QuantizedKVCache(Cache):
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         cfg.check_head_dim(head_dim)
         rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-        return cls(cfg, text_cfg.num_hidden_layers, rotary_emb=rotary)
+        cache = cls(cfg, text_cfg.num_hidden_layers, rotary_emb=rotary)
+        prepare = getattr(LAYERS[cfg.mode], "prepare_model", None)  # e.g. packed: route decode attention to it
+        if prepare is not None:
+            prepare(model, cache)
+        return cache
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Declare the prompt's padding ([B, T0], 1 = token) so pad positions never enter a group's min/max."""
