@@ -378,3 +378,34 @@ def test_table2_puts_each_axis_in_its_column():
     assert "| 2 | 1 | 13.67 | 4.55 |" in row["key reconstruction/kivi_ratio"]
     assert "| 5 | 3 | 4.57 | 3.73 |" in row["value reconstruction/kivi_ratio"]
     assert "| - | - |" in row["value reconstruction/rel_fro"]
+
+
+def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir, tmp_path):
+    """probe=true through run(cfg): the task's metric and the probe aggregates land in the same record."""
+    from kvq_lab.runner import run
+    from kvq_lab.tasks import TASKS, Task, register_task
+
+    class Dummy(Task):
+        name = "dummy_for_probe_test"
+
+        def run(self, ctx):
+            return {"dummy/acc": 1.0}
+
+    data = REPO.parent / "shared" / "data"
+    if not (data / "coqa" / "coqa-validation.first20.lm_eval.jsonl").exists():
+        pytest.skip("local CoQA data not found")
+    register_task(Dummy())
+    try:
+        cfg = _compose(
+            "task=coqa_turns", "task.name=dummy_for_probe_test", "probe=true", "logger=none",
+            f"model.path={tiny_model_dir}", f"results_dir={tmp_path}", f"data_dir={data}",
+            "probes.n_prompts=1", "probes.max_tokens=32", "probes.figures=false",
+        )  # fmt: skip
+        metrics = run(cfg)
+    finally:
+        TASKS.pop("dummy_for_probe_test")
+    assert metrics["dummy/acc"] == 1.0 and metrics["probe/n_prompts"] == 1
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rec = json.loads((run_dir / "record.json").read_text())
+    assert rec["metrics"]["probe/attn_out/rel_fro/mean"] > 0
+    assert rec["artifacts"]["probe_prompt_source"] == "coqa"  # no prompt source for this task: CoQA stories
