@@ -71,14 +71,14 @@ class PackedStore:
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
         self.length = 0  # storage positions written (the furthest row)
-        self.batch = 0  # B, set by the stream before the first write
+        self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the layer at prefill
         u, nb = word_layout(spec.bits)
         self._m, self._nb = BLOCK // u, nb  # rows per plane, bytes per word
 
     # -- growth ------------------------------------------------------------------------------------------------
     def _reserve(self, n_tokens: int, like: torch.Tensor) -> None:
         """Grow storage to hold positions [0, n_tokens) for all B rows (`like`: [B or fewer, H, *, D])."""
-        B, H, D = self.batch, like.shape[1], like.shape[3]
+        B, H, D = self.dims
         G, bits = self.spec.group_size, self.spec.bits
         blocks = -(-n_tokens // BLOCK)
         rows = blocks * BLOCK * bits // 8
@@ -155,8 +155,7 @@ class PackedStore:
     def dequantize(self, n: int) -> torch.Tensor:
         """fp32 [B, H, n, D]: code * scale + zero, the reference's arithmetic (two roundings, no fma)."""
         if n == 0:
-            B, H, _, D = self.codes.shape
-            return self.codes.new_zeros(B, H, 0, D, dtype=torch.float32)
+            return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
         return self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
 
     def nbytes(self) -> int:
@@ -490,7 +489,7 @@ class PackedLayer(QuantizedLayerBase):
         self.N = N
         for stream in (self.k_stream, self.v_stream):
             if not isinstance(stream, ExactStream):
-                stream.store.batch = B
+                stream.store.dims, stream.store.device = (B, H, D), k.device
         # sinks: the first S real tokens of each row, exact
         idx = (torch.tensor(self.pads, device=k.device)[:, None] + torch.arange(S, device=k.device)).clamp(max=N - 1)
         gidx = idx[:, None, :, None].expand(B, H, S, D)
