@@ -238,7 +238,8 @@ def bar_chart(rows: list[Row], path: str | Path, title: str = "", paper_model: s
     tasks = tasks_of(rows) or ["(none)"]
     fig, axes = plt.subplots(1, len(tasks), figsize=(max(6, 1.3 * len(rows)) * len(tasks), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
-        key, title_m, _ = (TASK_METRICS.get(task) or [(None, task, None)])[-1 if task.startswith("coqa") else 0]
+        # the first metric of each task: the one the paper's column reports (CoQA: exact match)
+        key, title_m, _ = (TASK_METRICS.get(task) or [(None, task, None)])[0]
         bench = TASK_TO_BENCHMARK.get(task)
         xs = range(len(rows))
         ours = [
@@ -304,3 +305,22 @@ def make_report(
         (out / "table.md").write_text(md + "\n")
         png = bar_chart(rows, out / f"{experiment}.png", title=experiment, paper_model=paper_model)
     return md, png
+
+
+def to_frame(rows: list[Row]):
+    """A pandas DataFrame of the rows (one line per setting; our metrics, paper values, probes) for notebooks."""
+    import pandas as pd
+
+    out = []
+    for row in rows:
+        d = {"setting": row.name, "cache": row.cache}
+        for task, c in row.cells.items():
+            d[f"{task} status"] = c.status
+            for key, _, _ in TASK_METRICS.get(task, []):
+                d[key] = c.metrics.get(key)
+                if key in c.stderr:
+                    d[f"{key} se"] = c.stderr[key]
+        d.update({f"paper {b}": v for b, v in row.paper.items()})
+        d.update({k: row.probes[k] for k, _ in PROBE_METRICS if k in row.probes})
+        out.append(d)
+    return pd.DataFrame(out)
