@@ -184,3 +184,21 @@ def test_generation_task_runs_end_to_end(task, keys, tiny_model_dir, data_dir, t
     (rec,) = load_records(tmp_path)
     samples = json.loads((Path(rec["_path"]) / "samples.json").read_text())
     assert {s["doc_id"] for s in samples} == {0} and samples[0]["response"] is not None  # gsm8k: one per filter
+
+
+@torch.inference_mode()
+def test_exact_prefill_equals_the_packed_caches_own_prefill(tiny_model):
+    """The packed cache attends exactly during prefill and quantizes afterwards: handing it exact K/V after a
+    DynamicCache prefill (prefill=exact) must give the same scores as prefilling through it (prefill=cache)."""
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(0))
+
+    def packed(r):
+        cfg = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", residual_length=r)
+        return QuantizedKVCache.for_model(tiny_model, cfg)
+
+    for r in (0, 32):
+        a = decode_nll(tiny_model, packed(r), ids, 40, exact_prefill=True)
+        b = decode_nll(tiny_model, packed(r), ids, 40, exact_prefill=False)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    fp = decode_nll(tiny_model, _cache(tiny_model, 16), ids, 40)
+    assert (decode_nll(tiny_model, packed(0), ids, 40) - fp).abs().mean() > 1e-3
