@@ -111,6 +111,10 @@ class PackedStore:
             raise ValueError(f"per-channel history is written in whole groups of {G}; got t0={t0}, n={n}")
         rows = rows if rows is not None else slice(None)
         self._reserve(t0 + n, x)
+        if hasattr(self.backend, "quantize_into"):  # a kernel that quantizes and packs straight into storage
+            self.backend.quantize_into(self, x, t0, valid, rows)
+            self.length = max(self.length, t0 + n)
+            return
         codes, scale, zero = self.backend.quantize(x, self.spec, valid)
         if self.spec.axis == "token":
             self.scale[rows, :, t0 : t0 + n] = scale

@@ -1,0 +1,110 @@
+"""Triton kernels vs the PyTorch reference, on CPU under TRITON_INTERPRET=1 (small, awkward shapes).
+
+Exact where the spec is exact: codes, fp16 parameters and dequantized values bit for bit; decode attention
+within fp32 rounding of the reference computation.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run in the interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvq_lab.cache import CacheConfig  # noqa: E402
+from kvq_lab.cache.base import PaddingState  # noqa: E402
+from kvq_lab.cache.packed import PackedLayer, decode_attention_torch  # noqa: E402
+from kvq_lab.quant import triton_kernels as tk  # noqa: E402
+from kvq_lab.quant.pack import PackedQTensor  # noqa: E402
+from kvq_lab.quant.reference import dequantize, quantize  # noqa: E402
+from kvq_lab.quant.spec import QuantSpec  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEV = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+def inputs(B, H, T, D, seed, kind="randn", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, H, T, D, generator=g) * 2
+    if kind == "outlier":
+        x[..., 3] *= 50
+    elif kind == "zeros":
+        x.zero_()
+    elif kind == "constant":
+        x[:] = 1.375
+    return x.to(dtype).to(DEV)
+
+
+CASES = [
+    # (bits, G, axis, T, D, kind, dtype, partial)
+    (2, 32, "channel", 77, 64, "outlier", torch.float32, "zero"),
+    (2, 32, "channel", 77, 64, "randn", torch.float32, "exclude"),
+    (3, 16, "channel", 45, 128, "randn", torch.float16, "zero"),
+    (4, 64, "channel", 70, 64, "randn", torch.float32, "zero"),
+    (2, 32, "token", 77, 64, "outlier", torch.float32, "zero"),
+    (3, 32, "token", 33, 128, "randn", torch.bfloat16, "zero"),
+    (1, 16, "token", 40, 64, "constant", torch.float32, "zero"),
+    (8, 64, "token", 31, 64, "zeros", torch.float32, "zero"),
+]
+
+
+@pytest.mark.parametrize("bits,G,axis,T,D,kind,dtype,partial", CASES)
+def test_quantize_pack_and_dequantize_match_reference(bits, G, axis, T, D, kind, dtype, partial):
+    spec = QuantSpec(bits, G, axis)
+    x = inputs(1, 2, T, D, bits * 7 + T, kind, dtype)
+    ref = quantize(x, spec, partial=partial)
+    packed, scale, zero = tk.quantize_pack(x, spec, partial=partial)
+    assert torch.equal(scale, ref.scale) and torch.equal(zero, ref.zero)
+    want = PackedQTensor.from_qtensor(ref).packed
+    assert torch.equal(packed, want)  # the same bytes as reference codes packed by pack.pack
+    got = tk.dequantize_packed(packed, scale, zero, spec, T, dtype)
+    assert torch.equal(got, dequantize(ref))
+
+
+def test_quantize_pack_with_padding_mask():
+    spec = QuantSpec(2, 32, "channel")
+    x = inputs(2, 2, 64, 64, 3)
+    x[0, :, :20] = 1e4  # padding with huge values: must not enter min/max
+    valid = torch.ones(2, 1, 64, dtype=torch.bool, device=DEV)
+    valid[0, :, :20] = False
+    ref = quantize(x, spec, valid=valid)
+    packed, scale, zero = tk.quantize_pack(x, spec, valid=valid)
+    assert torch.equal(scale, ref.scale) and torch.equal(zero, ref.zero)
+    assert torch.equal(packed, PackedQTensor.from_qtensor(ref).packed)
+
+
+def _layers(kax, vax, backend, S=2, R=32):
+    cfg = CacheConfig(
+        key=QuantSpec(2, 32, kax), value=QuantSpec(3, 32, vax), mode="packed", residual_length=R, sink_tokens=S,
+        backend=backend,
+    )  # fmt: skip
+    return PackedLayer(cfg, None, PaddingState())
+
+
+@pytest.mark.parametrize("kax,vax", [("channel", "token"), ("token", "channel")])
+def test_cache_with_triton_backend_stores_the_same_bits(kax, vax):
+    """The cache streaming through the kernels stores exactly what the PyTorch path stores; decode attention
+    over the packed layer (GQA 3:1, D=64, sinks, history, window) matches within fp32 rounding."""
+    k, v = inputs(1, 2, 110, 64, 1), inputs(1, 2, 110, 64, 2)
+    tl_, th = _layers(kax, vax, "triton"), _layers(kax, vax, "torch")
+    for layer in (tl_, th):
+        layer.update(k[:, :, :70], v[:, :, :70])
+    for N in range(70, 110):
+        for layer in (tl_, th):
+            layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        if N % 13 and N != 109:
+            continue
+        for a, b in ((tl_.k_stream.store, th.k_stream.store), (tl_.v_stream.store, th.v_stream.store)):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+        Kt, Vt = tl_.materialize()
+        Kh, Vh = th.materialize()
+        assert torch.equal(Kt, Kh) and torch.equal(Vt, Vh)
+        q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(N)).to(DEV)
+        ref = decode_attention_torch(th, q, None, 0.125)
+        got = tk.decode_attention(tl_, q, None, 0.125)
+        torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, Kh, Vh, scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(got, sdpa.transpose(1, 2), rtol=2e-5, atol=2e-6)
