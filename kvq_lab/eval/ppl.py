@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvq_lab.cache import NonFiniteError
@@ -86,7 +87,8 @@ def decode_nll(model, cache, windows: torch.Tensor, context: int, exact_prefill:
     logits = prefill(model, cache, windows[:, :context], exact_prefill)
     _check_logits(logits, 0, "prefill")
     nll = []
-    for step, t in enumerate(range(context, total)):
+    steps = tqdm(range(context, total), desc=f"decode ppl ({B} windows)", mininterval=10, leave=False)
+    for step, t in enumerate(steps):
         target = windows[:, t]
         nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
         if t + 1 == total:
