@@ -69,6 +69,7 @@ def heatmaps(res: ProbeResult, out_dir: Path, title: str = "") -> dict[str, Path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = {}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,7 @@ def heatmaps(res: ProbeResult, out_dir: Path, title: str = "") -> dict[str, Path
                 ax.set_title(f"{label}\nmean {data.mean():.3g}", fontsize=9)
                 ax.set_xlabel("KV head" if q in KV_QUANTITIES else "head", fontsize=8)
                 ax.set_ylabel("layer", fontsize=8)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 fig.colorbar(im, ax=ax, fraction=0.046)
         fig.suptitle(f"{title}  error: {d}  (rows: reconstruction & sparsity / full prefill / decode row)", fontsize=11)
         fig.tight_layout()
@@ -222,7 +224,9 @@ def axis_figure(records: list[dict], definition: str, path: Path, title: str = "
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
     from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.ticker import MaxNLocator
 
     ncol = max(len(v) for v in AXIS_PANELS.values())
     fig, axes = plt.subplots(4, ncol, figsize=(3.4 * ncol, 15), squeeze=False)
@@ -235,8 +239,12 @@ def axis_figure(records: list[dict], definition: str, path: Path, title: str = "
                 continue
             q = quantities[c]
             mats = {a: record_matrix(r, f"{q}/{definition}") for a, r in pick.items()}
-            lo = min(m[m > 0].min() if (m > 0).any() else 1e-6 for m in mats.values())
-            hi = max(m.max() for m in mats.values())
+            both = np.concatenate([m.ravel() for m in mats.values()])
+            pos = both[both > 0]
+            # 1st-99th percentile: one near-exact head (e.g. a row held by a single sink token) must not flatten
+            # the colour scale of the rest; cells beyond it are drawn at the end colours
+            lo = float(np.percentile(pos if definition != "sqnr_db" else both, 1)) if pos.size else 1e-6
+            hi = float(np.percentile(both, 99))
             norm = Normalize(lo, hi) if definition == "sqnr_db" else LogNorm(max(lo, 1e-6), max(hi, 2e-6))
             for a_i, (a, m) in enumerate(mats.items()):
                 ax = axes[2 * b + a_i][c]
@@ -245,6 +253,7 @@ def axis_figure(records: list[dict], definition: str, path: Path, title: str = "
                 ax.set_title(f"{knob.split('_')[0]} per-{a}: {q}\nmean {m.mean():.3g}", fontsize=9)
                 ax.set_xlabel("KV head" if q in KV_QUANTITIES else "head", fontsize=8)
                 ax.set_ylabel("layer", fontsize=8)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 fig.colorbar(im, ax=ax, fraction=0.046)
     fig.suptitle(f"{title}  {definition}: keys (rows 1-2), values (rows 3-4); bright = worse", fontsize=12)
     fig.tight_layout()
