@@ -1,8 +1,8 @@
 """kvq_lab entry point.
 
-    python run.py key_axis=channel value_axis=token            # one run (defaults: conf/config.yaml)
-    python run.py -m key_axis=channel,token value_axis=channel,token   # grid sweep, 4 runs
-    python run.py -m experiment=kivi_axis_table                # a saved study (conf/experiment/)
+python run.py key_axis=channel value_axis=token            # one run (defaults: conf/config.yaml)
+python run.py -m key_axis=channel,token value_axis=channel,token   # grid sweep, 4 runs
+python run.py -m experiment=kivi_axis_table                # a saved study (conf/experiment/)
 """
 
 from __future__ import annotations

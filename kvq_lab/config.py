@@ -83,7 +83,9 @@ def _choice(cfg, key: str, allowed) -> str:
 def _bits(cfg, key: str) -> int:
     v = cfg.get(key)
     if isinstance(v, bool) or v not in BITS:
-        raise ConfigError(f"{key}={v!r} is not supported; choose one of: {', '.join(map(str, BITS))} (16 = no quantization)")
+        raise ConfigError(
+            f"{key}={v!r} is not supported; choose one of: {', '.join(map(str, BITS))} (16 = no quantization)"
+        )
     return v
 
 

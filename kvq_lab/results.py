@@ -14,7 +14,7 @@ import platform
 import subprocess
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,9 @@ def git_hash() -> str:
         h = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         if h.returncode:
             return "unknown"
-        d = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True, timeout=10)
+        d = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True, timeout=10
+        )
         return h.stdout.strip() + ("-dirty" if d.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import traceback
 from pathlib import Path
@@ -66,8 +67,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("resume", True):
         done = find_completed(plan.results_dir, plan.config_hash)
         if done is not None:
-            log.info("already done (config %s): %s; skipping (resume=false runs it again)", plan.config_hash,
-                     done["_path"])
+            log.info(
+                "already done (config %s): %s; skipping (resume=false runs it again)", plan.config_hash, done["_path"]
+            )
             print(f"skip: a completed record for this config exists: {done['_path']}")
             return done["metrics"]
 
@@ -91,6 +93,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         mirror = WandbMirror(cfg.logger, name, resolved, run_dir, group=cfg.get("experiment_name"))
 
     timer = Timer()
+    # Task data loaders (lm-eval `custom_dataset` functions) read the data folder from the environment
+    if plan.data_dir is not None:
+        os.environ["KVQ_DATA_DIR"] = str(plan.data_dir)
     try:
         seed_everything(cfg.seed)
         with timer("model_load_s"):
@@ -117,8 +122,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
             record["wandb_dir"] = mirror.finish()
         write_json_atomic(run_dir / RECORD, record)
     except Exception as e:
-        record.update(status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
-                      timings=timer.t)
+        record.update(
+            status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
+        )
         write_json_atomic(run_dir / RECORD, record)
         if mirror:
             mirror.finish(failed=True)

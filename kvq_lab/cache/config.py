@@ -37,7 +37,9 @@ class CacheConfig:
         if self.mode not in MODES:
             raise QuantConfigError(f"mode={self.mode!r} is not a cache mode; allowed: {', '.join(MODES)}")
         if self.rope not in ROPE:
-            raise QuantConfigError(f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)")
+            raise QuantConfigError(
+                f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)"
+            )
         if self.backend not in BACKENDS:
             raise QuantConfigError(f"backend={self.backend!r}; allowed: {', '.join(BACKENDS)}")
         for name in ("residual_length", "sink_tokens"):

@@ -11,7 +11,13 @@ log = logging.getLogger(__name__)
 
 
 def run_lm_eval(
-    task: str, model, tokenizer, make_cache, limit: int | None = None, batch_size: int = 1, num_fewshot=None,
+    task: str,
+    model,
+    tokenizer,
+    make_cache,
+    limit: int | None = None,
+    batch_size: int = 1,
+    num_fewshot=None,
     log_samples: bool = False,
 ) -> tuple[dict[str, float], list[dict]]:
     """-> (flat metrics `{task}/{metric}` plus `{task}/n`, per-sample records (empty unless log_samples))."""
@@ -23,8 +29,17 @@ def run_lm_eval(
     lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size)
     tm = TaskManager(include_path=str(TASK_DIR))
     out = lm_eval.simple_evaluate(
-        model=lm, tasks=[task], limit=limit, task_manager=tm, num_fewshot=num_fewshot, log_samples=log_samples,
-        bootstrap_iters=0, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
+        model=lm,
+        tasks=[task],
+        limit=limit,
+        task_manager=tm,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
     )
     res = out["results"][task]
     metrics: dict[str, float] = {}

@@ -96,9 +96,7 @@ def _check_shape(x: torch.Tensor, spec: QuantSpec) -> None:
     spec.check_head_dim(x.shape[-1])
 
 
-def quantize(
-    x: torch.Tensor, spec: QuantSpec, valid: torch.Tensor | None = None, partial: str = "zero"
-) -> QTensor:
+def quantize(x: torch.Tensor, spec: QuantSpec, valid: torch.Tensor | None = None, partial: str = "zero") -> QTensor:
     """Quantize x `[B, H, T, D]` (any float dtype) following the module docstring's arithmetic."""
     if spec.is_identity:
         raise ValueError("bits=16 is the identity: there is nothing to quantize (use fake_quant, or store x)")

@@ -40,8 +40,7 @@ def expand_turns(dataset):
                     **doc,
                     "questions": {k: v[:i] for k, v in doc["questions"].items()},
                     "answers": {k: v[:i] for k, v in doc["answers"].items()},
-                    "additional_answers": {key: {k: v[:i] for k, v in a.items()} for key, a in extra.items()}
-                    or None,
+                    "additional_answers": {key: {k: v[:i] for k, v in a.items()} for key, a in extra.items()} or None,
                 }
 
     import datasets

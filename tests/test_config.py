@@ -1,0 +1,107 @@
+"""Bad input fails fast: one line naming the key, the value and what is allowed; no traceback, no model load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from kvq_lab.config import ConfigError, register_schema, validate
+
+REPO = Path(__file__).resolve().parent.parent
+
+register_schema()
+
+
+def cfg_with(*overrides):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+BAD = [
+    (["key_axis=chanel"], r"key_axis='chanel'.*token, channel"),
+    (["value_axis=head"], r"value_axis='head'.*token, channel"),
+    (["bits=5"], r"bits=5 .*1, 2, 3, 4, 8, 16"),
+    (["bits=0"], r"bits=0 .*1, 2, 3, 4, 8, 16"),
+    (["key_bits=7"], r"key_bits=7"),
+    (["group_size=48"], r"group_size.*48.*does not divide head_dim=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
+    (["group_size=0"], r"group_size=0 must be an integer >= 1"),
+    (["residual_length=-1"], r"residual_length=-1 must be an integer >= 0"),
+    (["sink_tokens=-4"], r"sink_tokens=-4 must be an integer >= 0"),
+    (["mode=packed", "residual_length=20"], r"residual_length=20 must be a multiple of the key group size 32"),
+    (["residual_length=128"], r"residual_length=128 applies to mode=packed only"),
+    (["rope=middle"], r"rope='middle'.*post, pre"),
+    (["mode=fake"], r"mode='fake'.*simulated, packed"),
+    (["limit=0"], r"limit=0 must be an integer >= 1 or null"),
+    (["task.name=squad"], r"task.name='squad' is not a known task"),
+    (["model.path=./no/such/model"], r"model.path='./no/such/model' does not exist"),
+    (["data_dir=/no/such/dir"], r"data_dir='/no/such/dir' is not a folder"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_validate_rejects(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_with(*overrides))
+
+
+def test_missing_data_file_names_file_and_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"coqa/coqa-validation.first20.lm_eval.jsonl under data_dir=.*KVQ_DATA_DIR"):
+        validate(cfg_with(f"data_dir={tmp_path}"))
+
+
+def test_defaults_are_valid(data_dir):
+    plan = validate(cfg_with(f"data_dir={data_dir}"))
+    assert plan.cache.label() == "K2b-C32_V2b-T32_sim"
+    assert plan.task == "coqa_turns"
+
+
+def test_every_config_composes(data_dir):
+    """Every preset, model, task, logger and experiment file composes against the schema and validates."""
+    groups = {
+        g: sorted(p.stem for p in (REPO / "conf" / g).glob("*.yaml")) for g in ("quant", "task", "logger", "experiment")
+    }
+    for group, names in groups.items():
+        for name in names:
+            cfg = cfg_with(f"{group}={name}", f"data_dir={data_dir}")
+            validate(cfg)
+    for name in ("smollm2-135m", "llama2-7b"):
+        cfg_with(f"model={name}")
+
+
+def run_cli(*args, env=None):
+    e = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=e, timeout=120)
+    return p, time.time() - t0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["key_axis=chanel"], "key_axis='chanel'"),
+        (["bits=5"], "bits=5"),
+        (["task=nosuchtask"], "nosuchtask"),
+        (["model=nosuchmodel"], "nosuchmodel"),
+        (["key_axs=channel"], "key_axs"),
+    ],
+)
+def test_cli_fails_fast_without_traceback(args, needle, tmp_path):
+    p, dt = run_cli(*args, f"results_dir={tmp_path}")
+    assert p.returncode != 0
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+    assert dt < 60, dt
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing ran
+
+
+def test_cli_our_errors_are_one_line(tmp_path):
+    p, _ = run_cli("value_axis=head", f"results_dir={tmp_path}")
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: value_axis='head' is not allowed; choose one of: token, channel"]
