@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvq_lab.cache.config import CacheConfig
-from kvq_lab.probes import ERROR_QUANTITIES, ProbeSettings, capture, kivi_ratio, probe_model, rel_fro, sqnr_db
+from kvq_lab.probes import ERROR_QUANTITIES, ProbeSettings, capture_qkv, kivi_ratio, probe_model, rel_fro, sqnr_db
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import attention, layer_errors, quantize_kv, reference_output
 from kvq_lab.probes.metrics import sparsity, topk_mass
@@ -111,7 +111,7 @@ def test_capture_reproduces_model_attention(attn):
     with torch.no_grad():
         ref_logits = model(ids, use_cache=False).logits
     before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
-    caps = capture(model, ids)
+    caps = capture_qkv(model, ids)
     assert dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == before  # override removed
     with torch.no_grad():
         assert torch.equal(model(ids, use_cache=False).logits, ref_logits)  # capture changed nothing
@@ -138,7 +138,7 @@ def test_capture_of_layer_input_matches_projection_and_rope():
         with_kwargs=True,
     )
     try:
-        caps = capture(model, ids)
+        caps = capture_qkv(model, ids)
     finally:
         h.remove()
     attn = model.model.layers[1].self_attn
@@ -356,7 +356,7 @@ def test_smollm2_capture_is_exact_and_16bit_is_zero():
 
     model, tok = load_model("smollm2-135m")
     ids = tok("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt").input_ids
-    caps = capture(model, ids)
+    caps = capture_qkv(model, ids)
     assert len(caps) == 30 and caps[0].query.shape[0] == 9 and caps[0].key.shape[0] == 3
     for c in caps:
         torch.testing.assert_close(reference_output(c), c.output, rtol=1e-4, atol=1e-5)
@@ -409,3 +409,13 @@ def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir,
     rec = json.loads((run_dir / "record.json").read_text())
     assert rec["metrics"]["probe/attn_out/rel_fro/mean"] > 0
     assert rec["artifacts"]["probe_prompt_source"] == "coqa"  # no prompt source for this task: CoQA stories
+
+
+def test_task_registry_import_stays_torch_free():
+    """Config validation imports kvq_lab.tasks (and so kvq_lab.probes.task): it must not import torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvq_lab.tasks as t; assert 'probe' in t.TASKS; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,6 +1,7 @@
 """Error measured where the tensors are consumed: reconstruction, attention-score and attention-output error of a
 key/value quantizer pair, per layer and head, in several definitions side by side (see `metrics`, `errors`).
 
+    settings.py ProbeSettings and quantity names (torch-free: validation imports it)
     capture.py  q/k/v each attention layer really uses (one exact forward pass, no fork of attention)
     metrics.py  kivi_ratio, rel_fro, sqnr_db, sparsity, topk_mass (pure functions, formulas in docstrings)
     errors.py   one layer's errors: quantize K/V as the run's CacheConfig says, compare A, AV, ... per head
@@ -9,25 +10,31 @@ key/value quantizer pair, per layer and head, in several definitions side by sid
     task.py     task=probe and probe=true
 """
 
-from .capture import LayerCapture, capture, capture_attention
-from .errors import ERROR_QUANTITIES, ProbeSettings, layer_errors, quantize_kv
-from .metrics import ERRORS, kivi_ratio, rel_fro, sparsity, sqnr_db, topk_mass
-from .probe import ProbeResult, probe_model
+from importlib import import_module
 
-__all__ = [
-    "ERRORS",
-    "ERROR_QUANTITIES",
-    "LayerCapture",
-    "ProbeResult",
-    "ProbeSettings",
-    "capture",
-    "capture_attention",
-    "kivi_ratio",
-    "layer_errors",
-    "probe_model",
-    "quantize_kv",
-    "rel_fro",
-    "sparsity",
-    "sqnr_db",
-    "topk_mass",
-]
+# Names resolve lazily (as kvq_lab.quant and kvq_lab.cache): config validation imports kvq_lab.probes.task, which
+# must not pay for torch.
+_EXPORTS = {
+    "LayerCapture": "capture",
+    "capture_qkv": "capture",
+    "capture_attention": "capture",
+    "ERROR_QUANTITIES": "settings",
+    "ProbeSettings": "settings",
+    "layer_errors": "errors",
+    "quantize_kv": "errors",
+    "ERRORS": "metrics",
+    "kivi_ratio": "metrics",
+    "rel_fro": "metrics",
+    "sparsity": "metrics",
+    "sqnr_db": "metrics",
+    "topk_mass": "metrics",
+    "ProbeResult": "probe",
+    "probe_model": "probe",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

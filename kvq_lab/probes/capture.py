@@ -88,7 +88,7 @@ def capture_attention(model):
             del registry[impl]
 
 
-def capture(model, input_ids: torch.Tensor) -> list[LayerCapture]:
+def capture_qkv(model, input_ids: torch.Tensor) -> list[LayerCapture]:
     """One exact forward pass over `input_ids` [1, T]; returns one `LayerCapture` per attention layer."""
     base = getattr(model, "model", model)  # the decoder stack: the LM head's logits are not needed
     with torch.no_grad(), capture_attention(model) as records:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_KIVI_EPS = 0.01
+from .settings import DEFAULT_KIVI_EPS
 
 
 def _dims(x: torch.Tensor, dims) -> tuple[int, ...]:

@@ -13,8 +13,9 @@ import torch
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.rope import RopeHelper
 
-from .capture import capture
-from .errors import ProbeSettings, layer_errors
+from .capture import capture_qkv
+from .errors import layer_errors
+from .settings import ProbeSettings
 
 log = logging.getLogger("kvq_lab")
 
@@ -63,7 +64,7 @@ def probe_model(
     sums: dict[str, dict[str, torch.Tensor]] = {}
     tokens = []
     for i, ids in enumerate(input_ids):
-        caps = capture(model, ids.to(device))
+        caps = capture_qkv(model, ids.to(device))
         per_layer = [layer_errors(c, cache, settings, rope) for c in caps]
         del caps
         for qname in per_layer[0]:

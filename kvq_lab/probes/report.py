@@ -9,9 +9,9 @@ import argparse
 import math
 from pathlib import Path
 
-from .errors import ERROR_QUANTITIES, KV_QUANTITIES
 from .metrics import ERRORS
 from .probe import ProbeResult
+from .settings import ERROR_QUANTITIES, KV_QUANTITIES
 
 PREFIX = "probe"
 

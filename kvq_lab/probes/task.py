@@ -15,9 +15,7 @@ from omegaconf import OmegaConf
 
 from kvq_lab.tasks import COQA_FILE, Task, TaskContext, register_task
 
-from .errors import ProbeSettings
-from .probe import probe_model, tokenize
-from .report import artifacts, flat_metrics
+from .settings import ProbeSettings
 
 log = logging.getLogger("kvq_lab")
 
@@ -55,6 +53,9 @@ def _settings(d) -> ProbeSettings:
 
 
 def _measure(ctx: TaskContext, cache, prompts: list[str], settings: ProbeSettings, keep: str) -> dict[str, float]:
+    from .probe import probe_model, tokenize  # torch and transformers: only once a run starts
+    from .report import artifacts, flat_metrics
+
     ids = tokenize(ctx.tokenizer, prompts, settings.max_tokens, keep=keep)
     res = probe_model(ctx.model, ids, cache, settings)
     ctx.artifacts.update(artifacts(res, settings, ctx.run_dir if settings.figures else None, title=cache.label()))
