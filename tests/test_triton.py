@@ -5,13 +5,35 @@ within fp32 rounding of the reference computation.
 """
 
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run in the interpreter
+# The interpreter must be chosen before triton is first imported (tl.min & co. are jit functions decorated at
+# import). If another test module already imported it (transformers does), rerun this file in a fresh process.
+_LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
+
+if _LATE and not torch.cuda.is_available():
+
+    def test_kernels_in_a_fresh_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            env=env, capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_only(request):
+    if _LATE and not torch.cuda.is_available() and request.node.name != "test_kernels_in_a_fresh_interpreter":
+        pytest.skip("runs in a fresh process: see test_kernels_in_a_fresh_interpreter")
+
 
 from kvq_lab.cache import CacheConfig  # noqa: E402
 from kvq_lab.cache.base import PaddingState  # noqa: E402
