@@ -160,6 +160,13 @@ def validate(cfg: DictConfig) -> RunPlan:
     _int(cfg, "batch_size", lo=1)
     if not isinstance(cfg.get("probe"), bool):
         raise ConfigError(f"probe={cfg.get('probe')!r} must be true or false")
+    if cfg.probe:  # the probes' own settings, checked now rather than after a task has run
+        from kvq_lab.probes.settings import ProbeSettings
+
+        try:
+            ProbeSettings.from_dict(OmegaConf.to_container(cfg.probes, resolve=True))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"probes: {e}") from None
     task_name = cfg.task.get("name")
     if task_name not in TASKS:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")

@@ -112,7 +112,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if bad:
             log.warning("NaN metrics: %s", bad)
         record.update(status="ok", metrics=metrics, timings=timer.t)
-        extras = {k: v for k, v in ctx.artifacts.items() if k != "samples"}
+        # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
+        extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
         if extras:
             record["artifacts"] = extras
         if ctx.artifacts.get("samples"):

@@ -105,3 +105,8 @@ def test_cli_our_errors_are_one_line(tmp_path):
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert lines == ["error: value_axis='head' is not allowed; choose one of: token, channel"]
+
+
+def test_probe_settings_are_checked_before_the_run(data_dir):
+    with pytest.raises(ConfigError, match=r"probes: unknown probe setting\(s\) \['n_promts'\]"):
+        validate(cfg_with("probe=true", "+probes.n_promts=3", f"data_dir={data_dir}"))
