@@ -663,43 +663,57 @@ def decode_attention_torch(layer: PackedLayer, query: torch.Tensor, mask, scalin
     """One decode step's attention over a uniform-row packed layer.
 
     query [B, Hq, 1, D] (post-RoPE) -> output [B, 1, Hq, D] in query's dtype (the layout `sdpa_attention_forward`
-    returns). Positions: [0, s) sinks, then history, then window, per stream; keys and values may split
-    differently (their windows differ), so scores are computed over all N positions in order and the softmax
-    weights are split again for the values. Computed in fp32; GQA without repeating K/V (query heads grouped).
+    returns). K and V are assembled for this step only in one transient fp32 buffer each: sinks and window copied,
+    history dequantized straight from the uint8 codes into its slice (one fused multiply-add, no intermediate);
+    then two matmuls and a softmax, with the query heads grouped per kv head (GQA without repeating K/V).
+    Keys and values may split differently (their windows differ): each buffer follows its own stream.
     """
     B, Hq, _, D = query.shape
-    N, S = layer.N, layer.cfg.sink_tokens
-    s = min(S, N)
-    ks, vs = layer.k_stream, layer.v_stream
-    Hkv = ks.window.shape[1]
+    N = layer.N
+    Hkv = layer.sink_k.shape[1]
     r = Hq // Hkv
     q = (query.float() * scaling).view(B, Hkv, r, D)  # head h = kv * r + i, as repeat_kv orders them
-
-    # scores [B, Hkv, r, N]: sinks | history | window
-    qk, kwin = layer._segments(ks)
-    parts = [q @ layer.sink_k[:, :, :s].float().transpose(-1, -2)] if s else []
-    if qk:
-        parts.append(_history_scores(layer, q, qk))
-    if kwin.shape[2]:
-        parts.append(q @ kwin.float().transpose(-1, -2))
-    scores = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
+    k = _assemble(layer, layer.k_stream, layer.sink_k, True)  # [B, Hkv, N, D] fp32
+    scores = q @ k.transpose(-1, -2)  # [B, Hkv, r, N]
     if mask is not None:
         mask = mask[..., -N:]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     p = torch.softmax(scores, -1)
+    v = _assemble(layer, layer.v_stream, layer.sink_v, False)
+    return (p @ v).view(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
 
-    # output [B, Hkv, r, D]: sinks | history | window
-    qv, vwin = layer._segments(vs)
-    out = None
+
+def _assemble(layer: PackedLayer, stream, sink: torch.Tensor, is_key: bool) -> torch.Tensor:
+    """fp32 [B, H, N, D] of one stream for this step: sinks | dequantized history | window (uniform rows)."""
+    B, H, _, D = sink.shape
+    N, S = layer.N, layer.cfg.sink_tokens
+    s = min(S, N)
+    n, win = layer._segments(stream)
+    out = torch.empty(B, H, N, D, device=sink.device)
     if s:
-        out = p[..., :s] @ layer.sink_v[:, :, :s].float()
-    if qv:
-        h = _history_values(vs.store, p[..., s : s + qv], qv)
-        out = h if out is None else out + h
-    if vwin.shape[2]:
-        w = p[..., s + qv :] @ vwin.float()
-        out = w if out is None else out + w
-    return out.view(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
+        out[:, :, :s] = sink[:, :, :s]
+    if n:
+        store = stream.store
+        if is_key and layer.rope is not None:
+            out[:, :, s : s + n] = layer.key_history(n)
+        else:
+            G = store.spec.group_size
+            c = store.codes_u8(n)
+            if store.spec.axis == "token":  # params [B, H, n, D/G] broadcast over each group's channels
+                shape = (B, H, n, D // G, G)
+                sc, z = store.scale[:, :, :n, :, None], store.zero[:, :, :n, :, None]
+            else:  # params [B, H, n/G, D] broadcast over each group's tokens
+                shape = (B, H, n // G, G, D)
+                sc, z = store.scale[:, :, : n // G, None, :], store.zero[:, :, : n // G, None, :]
+            dst = out[:, :, s : s + n].view(shape)
+            if store.spec.axis == "token":
+                # broadcasting over the innermost dim is slow in one fused op on CPU; three in-place passes are not
+                dst.copy_(c[:, :, :n].view(shape)).mul_(sc.float()).add_(z.float())
+            else:
+                torch.addcmul(z.float(), c[:, :, :n].view(shape), sc.float(), out=dst)
+    if win.shape[2]:
+        out[:, :, N - win.shape[2] :] = win
+    return out
 
 
 def _history_scores(layer: PackedLayer, q: torch.Tensor, n: int) -> torch.Tensor:
