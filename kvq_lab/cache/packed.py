@@ -26,12 +26,13 @@ positions never enter a group's min/max. Ragged batches assemble full K/V per st
 the batch-1 path, exact); the fused decode path below serves unpadded batches.
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
-`kvq_sdpa` (registered here), which hands ordinary tensors to SDPA unchanged and computes decode steps over the
-packed history directly: scores against per-token-grouped codes and the attention-weighted sum of per-token-
-grouped values are computed from the codes (the scale folds into the query or the weights), per-channel-grouped
-history is dequantized once per step; the fp sinks and window are attended exactly. No fp copy of the history
-outlives the step. Without that routing (another attention implementation, or a cache built directly),
-`update` returns dequantized K/V and the model's attention runs as usual.
+`kvq_sdpa` (registered here), which hands ordinary tensors to SDPA unchanged and, on decode steps, receives the
+layer itself (`PackedKV`) instead of K/V tensors. The PyTorch path then builds each of K and V for this step in
+one transient fp32 buffer (sinks and window copied, history dequantized straight from the uint8 codes into its
+slice, one pass), and attends with two matmuls, query heads grouped per kv head (no repeat_kv). Nothing
+dequantized outlives the step; `nbytes()` counts only what is stored. With `backend=triton` a fused kernel does
+the same over the packed bytes without any buffer. Without the routing (another attention implementation, or
+a cache built directly), `update` returns dequantized K/V and the model's attention runs as usual.
 """
 
 from __future__ import annotations
@@ -271,8 +272,8 @@ class SlidingStream:
     def n_quantized(self, N: int) -> int:
         return max(0, N - self.R - self.S)
 
-    def prefill(self, x: torch.Tensor, real: torch.Tensor | None, pads: list[int]) -> None:
-        """x [B, H, N, D]; real [B, N] bool (None: all real). Quantizes positions [S, N - R)."""
+    def prefill(self, x: torch.Tensor, pads: list[int]) -> None:
+        """x [B, H, N, D]; pads: p_b per row. Quantizes positions [S, N - R)."""
         N = x.shape[2]
         q = self.n_quantized(N)
         if q:
@@ -502,7 +503,7 @@ class PackedLayer(QuantizedLayerBase):
             if isinstance(stream, ExactStream):
                 stream.append(x)
             elif isinstance(stream, SlidingStream):
-                stream.prefill(x, real, self.pads)
+                stream.prefill(x, self.pads)
             else:
                 stream.prefill(x, self.pads)
 
@@ -714,60 +715,6 @@ def _assemble(layer: PackedLayer, stream, sink: torch.Tensor, is_key: bool) -> t
     if win.shape[2]:
         out[:, :, N - win.shape[2] :] = win
     return out
-
-
-def _history_scores(layer: PackedLayer, q: torch.Tensor, n: int) -> torch.Tensor:
-    """q [B, Hkv, r, D] fp32 -> q . K'^T over the n history keys: [B, Hkv, r, n]."""
-    store = layer.k_stream.store
-    spec = store.spec
-    B, H, r, D = q.shape
-    G = spec.group_size
-    if layer.rope is not None:  # pre-RoPE keys: dequantize and rotate (once, this step only)
-        return q @ layer.key_history(n).transpose(-1, -2)
-    c = store.codes_u8(n)
-    scale, zero = store.scale, store.zero
-    if spec.axis == "channel":
-        # groups along tokens: the scale varies along both axes of K, so K' is made once for this step (one
-        # fused multiply-add over uint8 codes; no copy of it outlives the step)
-        nG = n // G
-        k = torch.addcmul(
-            zero[:, :, :nG, None, :].float(),
-            c[:, :, :n].view(B, H, nG, G, D).float(),
-            scale[:, :, :nG, None, :].float(),
-        )
-        return q @ k.view(B, H, n, D).transpose(-1, -2)
-    # groups along channels: score = sum_g scale[t, g] * (q_g . c[t, g]) + sum_g zero[t, g] * sum(q_g)
-    nG = D // G
-    cf = c[:, :, :n].float()  # [B, H, n, D]
-    # block-diagonal query [D, r*nG]: column (i, g) holds q_i on group g's channels, so one matmul gives q_g . c_g
-    eye = _const(f"eye{nG}x{G}", q.device, lambda: torch.eye(nG).repeat_interleave(G, 0))  # [D, nG]
-    qbd = (q.unsqueeze(-1) * eye).transpose(-1, -2).reshape(B, H, r * nG, D)
-    u = (cf @ qbd.transpose(-1, -2)).view(B, H, n, r, nG)
-    qsum = q.view(B, H, r, nG, G).sum(-1)  # [B, H, r, nG]
-    sc = (u * scale[:, :, :n, None, :].float()).sum(-1).transpose(-1, -2)  # [B, H, r, n]
-    return sc + qsum @ zero[:, :, :n].float().transpose(-1, -2)
-
-
-def _history_values(store: PackedStore, p: torch.Tensor, n: int) -> torch.Tensor:
-    """p [B, Hkv, r, n] softmax weights of the history positions -> sum_t p_t V'_t: [B, Hkv, r, D]."""
-    spec = store.spec
-    B, H, r, _ = p.shape
-    G = spec.group_size
-    c = store.codes_u8(n)
-    D = c.shape[-1]
-    if spec.axis == "channel":
-        # groups along tokens: sum_t p_t (c s_g + z_g) = sum_g (sum_{t in g} p_t c_t) s_g + (sum_{t in g} p_t) z_g
-        nG = n // G
-        pc = p.view(B, H, r, nG, G).transpose(2, 3) @ c[:, :, :n].float().view(B, H, nG, G, D)  # [B, H, nG, r, D]
-        out = (pc * store.scale[:, :, :nG, None, :].float()).sum(2)
-        return out + p.view(B, H, r, nG, G).sum(-1) @ store.zero[:, :, :nG].float()
-    # groups along channels: sum_t p_t (c[t,d] s[t,g] + z[t,g]) = sum_t (p_t s[t,g]) c[t,d] + sum_t p_t z[t,g]
-    nG = D // G
-    scale, zero = store.scale[:, :, :n].float(), store.zero[:, :, :n].float()  # [B, H, n, nG]
-    ps = (p.unsqueeze(-1) * scale.unsqueeze(2)).transpose(-1, -2).reshape(B, H, r * nG, n)
-    full = (ps @ c[:, :, :n].float()).view(B, H, r, nG, nG, G)  # row (i, g) weighted every channel
-    diag = full.diagonal(dim1=3, dim2=4)  # [B, H, r, G, nG]: keep group g's own channels
-    return (diag + (p @ zero).unsqueeze(-2)).transpose(-1, -2).reshape(B, H, r, D)
 
 
 def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
