@@ -109,11 +109,11 @@ def _sort_key(row: Row):
         c.get("mode") != "simulated",
         c.get("residual_length", 0),
         c.get("group_size", 32),
-        c.get("rope") == "pre",
         -bits("key_bits"),
         -bits("value_bits"),
         c.get("value_axis") != "token",
         c.get("key_axis") != "channel",
+        c.get("rope") == "pre",
         row.cache,
     )
 
