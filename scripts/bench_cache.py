@@ -79,9 +79,10 @@ def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(stored, fp16-equivalent) bytes of a cache."""
-    if isinstance(cache, QuantizedKVCache):
+    if isinstance(cache, QuantizedKVCache) and cache.cfg.mode == "packed":
         nb = cache.nbytes()
         return nb["stored"], nb["fp16"]
+    # others: every tensor the layers hold (the simulated cache keeps exact K/V plus its dequantized copy)
     stored = sum(tensor_bytes(layer, set()) for layer in cache.layers)
     n = cache.get_seq_length()
     cfg = cache_bytes.text_cfg

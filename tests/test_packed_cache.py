@@ -68,7 +68,14 @@ def test_16bit_equals_dynamic_cache(tiny):
         assert torch.equal(tiny(nxt, past_key_values=cache).logits, tiny(nxt, past_key_values=dyn).logits)
 
 
-@pytest.mark.parametrize("kax,vax", AXES)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "kax,vax",
+    [("channel", "token"), ("token", "channel"), pytest.param("channel", "channel", marks=SLOW),
+     pytest.param("token", "token", marks=SLOW)],
+)  # fmt: skip
 def test_fused_decode_matches_materialized(tiny, kax, vax):
     """The kvq_sdpa decode path and plain SDPA over dequantized K/V generate the same tokens."""
     ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(2))
@@ -294,7 +301,7 @@ def test_padded_batch_rows_store_what_single_rows_store(kax, vax):
             assert torch.equal(VB[b : b + 1, :, T0 - n :], V1), (b, t)
 
 
-@pytest.mark.parametrize("kax,vax", [("channel", "token"), ("token", "channel")])
+@pytest.mark.parametrize("kax,vax", [("channel", "token"), pytest.param("token", "channel", marks=SLOW)])
 def test_padded_batch_generates_what_each_prompt_generates_alone(tiny, kax, vax):
     cfg = packed((2, 32, kax), (2, 32, vax), residual_length=32, sink_tokens=2)
     g = torch.Generator().manual_seed(8)

@@ -399,6 +399,7 @@ class PackedLayer(QuantizedLayerBase):
 
     def __init__(self, cfg, rope=None, padding=None):
         super().__init__(cfg, rope, padding)
+        self._args = (cfg, rope, padding)
         self.backend = get_backend(cfg.backend)
         self.fused = False  # set by `prepare_model` when the model's attention is routed through kvq_sdpa
         self.N = 0
@@ -638,6 +639,12 @@ class PackedLayer(QuantizedLayerBase):
         # shape-only placeholders: DynamicLayer code reads self.keys for batch, heads and head_dim
         self.keys = key_states.new_empty(key_states.shape[0], key_states.shape[1], 0, key_states.shape[3])
         self.values = self.keys
+
+    def reset(self) -> None:
+        """Forget everything stored (the routing to kvq_sdpa and the layer index are kept)."""
+        fused, idx = self.fused, self.layer_idx
+        self.__init__(*self._args)
+        self.fused, self.layer_idx = fused, idx
 
     def batch_repeat_interleave(self, repeats):
         raise NotImplementedError("the packed cache does not support beam search / batch expansion")
