@@ -51,6 +51,7 @@ def test_resume_false_runs_again(tiny_model_dir, data_dir, tmp_path):
     assert [r["status"] for r in records(tmp_path)] == ["ok", "ok"]
 
 
+@pytest.mark.slow  # subprocess run.py: ~20-45 s on 2 busy cores
 def test_killed_sweep_completes_missing_rows_only(tiny_model_dir, data_dir, tmp_path):
     """A real multirun, SIGKILLed while its second row runs; the rerun runs rows 2 and 3 and skips row 1."""
     args = ["-m", *tiny_args(tiny_model_dir, tmp_path, data_dir), "task.eval_tokens=64", "key_bits=2,3,4"]
@@ -86,6 +87,7 @@ def test_killed_sweep_completes_missing_rows_only(tiny_model_dir, data_dir, tmp_
     assert len(recs) - len(ok) == len(killed) - sum(r["status"] == "ok" for r in killed)  # only the killed leftovers
 
 
+@pytest.mark.slow  # subprocess run.py: ~20-45 s on 2 busy cores
 def test_failed_row_leaves_a_record_and_the_sweep_goes_on(tiny_model_dir, data_dir, tmp_path):
     # group_size=48 does not divide head_dim 64: per-token values fail once the model is loaded (head_dim=null
     # hides it from validation), i.e. inside the run
@@ -101,6 +103,7 @@ def test_failed_row_leaves_a_record_and_the_sweep_goes_on(tiny_model_dir, data_d
     assert [r["status"] for r in records(tmp_path)].count("failed") == 2
 
 
+@pytest.mark.slow  # subprocess run.py: ~20-45 s on 2 busy cores
 def test_single_failed_run_exits_1(tiny_model_dir, data_dir, tmp_path):
     out = run_py([*tiny_args(tiny_model_dir, tmp_path, data_dir), "group_size=48"])
     assert out.returncode == 1 and "failed" in out.stderr

@@ -171,6 +171,7 @@ def test_nan_in_the_cache_names_the_layer_in_ppl_and_generation(tiny_model_dir, 
 # --- generation tasks end to end on the tiny model ----------------------------------------------------------
 
 
+@pytest.mark.slow  # ~30 s each: 5-shot / 6-shot prompts and up to 256 generated tokens
 @pytest.mark.parametrize(
     "task, keys",
     [
