@@ -202,11 +202,13 @@ def test_packed_agrees_with_simulated(S):
 def test_decode_attention_matches_sdpa(kax, vax, S):
     """Fused decode attention over codes == SDPA on the dequantized cache, within fp32 rounding (GQA 3:1)."""
     cfg = packed((2, 32, kax), (2, 32, vax), residual_length=64, sink_tokens=S)
-    k, v = kv(2, 2, 230, 64, 7)
+    k, v = kv(2, 2, 160, 64, 7)
     layer = layer_for(cfg)
-    layer.update(k[:, :, :200], v[:, :, :200])
-    for N in range(200, 230):
+    layer.update(k[:, :, :130], v[:, :, :130])
+    for N in range(130, 160):
         layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        if N % 4 and N != 159:  # every few steps (with S=3 a block of keys is flushed at N=131)
+            continue
         q = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(N))
         K, V = layer.materialize()
         ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, enable_gqa=True).transpose(1, 2)
