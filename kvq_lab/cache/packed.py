@@ -11,16 +11,21 @@ Streaming follows the grouping axis of each tensor (so any axis works for keys o
         quantized at once, R/G whole groups; after a prefill of L tokens, (L - sinks) mod R stay full precision.
     per-token (groups of G channels, KIVI's values): a sliding window of the last R tokens; the oldest token is
         quantized as it leaves. R = 0 quantizes every token on arrival.
-Quantized history is never re-quantized: a step quantizes at most one new block (R tokens, or one token) and
-writes its bits next to the older ones.
+Quantized history is never re-quantized: a step quantizes at most one new block and writes its bits next to the
+older ones (per-channel: the R-token window; per-token: the packing block of 32 tokens that the leaving token
+opens, coded at once because per-token codes depend on the token alone; its other tokens are still in the
+window, attended exactly, and their codes are read only once they leave).
 
 Prefill attention runs on the exact keys and values (the model's own attention on what it just computed); the
 cache quantizes afterwards, as KIVI does.
 
 Left-padded batches: per-channel groups are aligned on each row's *real* tokens (row b's groups start at its
 first non-sink token, position p_b + sink_tokens), and each row keeps its own count of quantized tokens and
-window tokens, so every row stores exactly what it would store alone: a batch generates what each prompt
-generates alone. Per-token groups never span tokens, so they need no alignment: their history and window are
+window tokens, so every row stores exactly what it would store alone, for every axis, sink and window setting
+(tested bit for bit). A batch then generates what each prompt generates alone as far as the model's own
+batched arithmetic (masked SDPA over padding, batched matmuls) reproduces the single-prompt K/V: it did in the
+tests; a last-bit difference there could in principle flip a code or a near-tied greedy token.
+Per-token groups never span tokens, so they need no alignment: their history and window are
 indexed by absolute position for all rows (a row's padding and sink positions hold unused zero codes). Pad
 positions never enter a group's min/max. Ragged batches assemble full K/V per step with one gather (slower than
 the batch-1 path, exact); the fused decode path below serves unpadded batches.
