@@ -37,7 +37,9 @@ def main(cfg: DictConfig) -> float | None:
         metrics = run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        if not multirun:
+            sys.exit(2)
+        return None  # one invalid row (e.g. group_size=128 on head_dim 64) does not end the sweep
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:  # a sweep goes on; its failed row has a record saying why

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,32 @@ def data_dir(cfg: DictConfig) -> Path | None:
     return p.resolve()
 
 
-def config_hash(cfg: DictConfig) -> str:
-    """Hash of what determines a run's result: everything except where it is written and how it is logged."""
+# knobs that only build the cache: hashed through the CacheConfig they make, so `bits=2` and
+# `key_bits=2 value_bits=2` (the same cache) are the same run
+CACHE_KNOBS = (
+    "key_axis",
+    "value_axis",
+    "bits",
+    "key_bits",
+    "value_bits",
+    "group_size",
+    "residual_length",
+    "sink_tokens",
+    "rope",
+    "mode",
+    "backend",
+)
+
+
+def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
+    """Hash of what determines a run's result: everything except where it is written and how it is logged,
+    with the cache knobs replaced by the cache they describe."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    for k in ("results_dir", "run_name", "logger", "resume", "experiment_name", "data_dir"):
+    for k in ("results_dir", "run_name", "logger", "resume", "experiment_name", "data_dir", *CACHE_KNOBS):
         c.pop(k, None)
+    c["cache"] = asdict(cache if cache is not None else cache_config(cfg))
+    if not cfg.get("probe"):
+        c.pop("probes", None)  # probe settings only matter when probes run
     return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -198,5 +219,5 @@ def validate(cfg: DictConfig) -> RunPlan:
         results_dir=Path(cfg.results_dir),
         data_dir=ddir,
         limit=cfg.get("limit"),
-        config_hash=config_hash(cfg),
+        config_hash=config_hash(cfg, cache),
     )

@@ -110,3 +110,33 @@ def test_cli_our_errors_are_one_line(tmp_path):
 def test_probe_settings_are_checked_before_the_run(data_dir):
     with pytest.raises(ConfigError, match=r"probes: unknown probe setting\(s\) \['n_promts'\]"):
         validate(cfg_with("probe=true", "+probes.n_promts=3", f"data_dir={data_dir}"))
+
+
+def test_config_hash_is_the_cache_not_the_spelling(data_dir):
+    from kvq_lab.config import config_hash
+
+    d = f"data_dir={data_dir}"
+    assert config_hash(cfg_with("bits=2", d)) == config_hash(cfg_with("key_bits=2", "value_bits=2", d))
+    assert config_hash(cfg_with("quant=2bit_KC_VT", d)) == config_hash(cfg_with(d))
+    assert config_hash(cfg_with("bits=3", d)) != config_hash(cfg_with(d))
+    assert config_hash(cfg_with("results_dir=elsewhere", "experiment_name=x", d)) == config_hash(cfg_with(d))
+    assert config_hash(cfg_with("probe=true", d)) != config_hash(cfg_with(d))
+
+
+def test_invalid_row_does_not_end_a_sweep(tmp_path, data_dir, tiny_model_dir):
+    """group_size=48 cannot tile head_dim 64: that row reports its error and the next row still runs."""
+    p, _ = run_cli(
+        "-m",
+        "group_size=48,32",
+        "task=coqa",
+        f"data_dir={data_dir}",
+        f"results_dir={tmp_path}",
+        "logger=none",
+        "limit=1",
+        f"model.path={tiny_model_dir}",
+        "model.head_dim=64",
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "error: group_size (values)=48 does not divide head_dim=64" in p.stderr  # values are per-token
+    assert "Traceback" not in p.stderr
+    assert len(list(tmp_path.glob("runs/*/record.json"))) == 1
