@@ -696,13 +696,27 @@ def decode_attention_torch(layer: PackedLayer, query: torch.Tensor, mask, scalin
     return (p @ v).view(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
 
 
+_WORKSPACE: dict = {}
+
+
+def _workspace(name: str, numel: int, device) -> torch.Tensor:
+    """A flat fp32 scratch buffer reused by every layer and step (decode working memory, not cache storage:
+    one layer's K or V at a time, overwritten by the next layer; reusing it spares a fresh multi-MB
+    allocation, and its page faults, per layer per step)."""
+    buf = _WORKSPACE.get((name, device))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device)
+        _WORKSPACE[(name, device)] = buf
+    return buf[:numel]
+
+
 def _assemble(layer: PackedLayer, stream, sink: torch.Tensor, is_key: bool) -> torch.Tensor:
     """fp32 [B, H, N, D] of one stream for this step: sinks | dequantized history | window (uniform rows)."""
     B, H, _, D = sink.shape
     N, S = layer.N, layer.cfg.sink_tokens
     s = min(S, N)
     n, win = layer._segments(stream)
-    out = torch.empty(B, H, N, D, device=sink.device)
+    out = _workspace("k" if is_key else "v", B * H * N * D, sink.device).view(B, H, N, D)
     if s:
         out[:, :, :s] = sink[:, :, :s]
     if n:
