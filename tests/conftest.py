@@ -12,6 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported: on CPU its kernels run in the interpreter (tests/test_triton.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_llama(
