@@ -27,16 +27,9 @@ def records(results: Path) -> list[dict]:
 
 
 def test_multirun_of_two_configs_writes_two_records(tiny_model_dir, data_dir, tmp_path):
-    run_cli(
-        "-m",
-        "key_axis=channel,token",
-        f"model.path={tiny_model_dir}",
-        "model.head_dim=64",
-        "limit=2",
-        f"data_dir={data_dir}",
-        f"results_dir={tmp_path}",
-        "logger=wandb",
-    )
+    sweep = ["-m", "key_axis=channel,token", f"model.path={tiny_model_dir}", "model.head_dim=64", "limit=2",
+             f"data_dir={data_dir}", f"results_dir={tmp_path}"]  # fmt: skip
+    run_cli(*sweep, "logger=wandb")
     recs = records(tmp_path)
     assert len(recs) == 2
     assert {r["cache"] for r in recs} == {"K2b-C32_V2b-T32_sim", "K2b-T32_V2b-T32_sim"}
@@ -51,16 +44,7 @@ def test_multirun_of_two_configs_writes_two_records(tiny_model_dir, data_dir, tm
         wdir = Path(r["wandb_dir"])
         assert wdir.name.startswith("offline-run-") and list(wdir.glob("*.wandb")), wdir
     # a rerun of the same sweep finds both rows done and adds nothing
-    p = run_cli(
-        "-m",
-        "key_axis=channel,token",
-        f"model.path={tiny_model_dir}",
-        "model.head_dim=64",
-        "limit=2",
-        f"data_dir={data_dir}",
-        f"results_dir={tmp_path}",
-        "logger=none",
-    )
+    p = run_cli(*sweep, "logger=none")
     assert p.stdout.count("skip: a completed record") == 2
     assert len(records(tmp_path)) == 2
 

@@ -4,7 +4,7 @@ Names resolve lazily so that config validation (which needs only `CacheConfig`) 
 transformers.
 """
 
-from importlib import import_module
+from kvq_lab._lazy import lazy_getattr
 
 _EXPORTS = {
     "CacheConfig": "config",
@@ -15,8 +15,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -10,7 +10,7 @@ key/value quantizer pair, per layer and head, in several definitions side by sid
     task.py     task=probe and probe=true
 """
 
-from importlib import import_module
+from kvq_lab._lazy import lazy_getattr
 
 # Names resolve lazily (as kvq_lab.quant and kvq_lab.cache): config validation imports kvq_lab.probes.task, which
 # must not pay for torch.
@@ -33,8 +33,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

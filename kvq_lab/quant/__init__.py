@@ -3,7 +3,7 @@
 Names resolve lazily so that config validation (which needs only `QuantSpec`) does not import torch.
 """
 
-from importlib import import_module
+from kvq_lab._lazy import lazy_getattr
 
 _EXPORTS = {
     "AXES": "spec",
@@ -18,8 +18,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
