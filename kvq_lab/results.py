@@ -14,6 +14,7 @@ import platform
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from datetime import datetime
 from importlib import metadata
 from pathlib import Path
@@ -116,20 +117,18 @@ def find_completed(results_dir: Path, config_hash: str) -> dict | None:
 
 
 class Timer:
+    """`with timer("task_s"): ...` records the block's wall time (seconds) in `timer.t`, even if it raises."""
+
     def __init__(self):
         self.t = {}
 
+    @contextmanager
     def __call__(self, name):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.t[name] = round(time.perf_counter() - self.t0, 3)
-
-        return _Ctx()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] = round(time.perf_counter() - t0, 3)
 
 
 class WandbMirror:

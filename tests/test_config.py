@@ -9,18 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers_models import compose
 
-from kvq_lab.config import ConfigError, register_schema, validate
+from kvq_lab.config import ConfigError, validate
 
 REPO = Path(__file__).resolve().parent.parent
 
-register_schema()
-
 
 def cfg_with(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(list(overrides))
 
 
 BAD = [

@@ -283,13 +283,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def _compose(*overrides):
-    from hydra import compose, initialize_config_dir
+    from helpers_models import compose
 
-    from kvq_lab.config import register_schema
-
-    register_schema()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose(list(overrides))
 
 
 def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
