@@ -48,7 +48,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvq_lab.quant.pack import BLOCK, unpack, word_layout
+from kvq_lab.quant.pack import BLOCK, _shifts, unpack, word_layout
 from kvq_lab.quant.reference import quantize
 from kvq_lab.quant.spec import QuantSpec
 
@@ -239,12 +239,33 @@ class TorchBackend:
         return x.view(B, H, n, D)
 
 
+class CpuBackend(TorchBackend):
+    """`backend=cpu`: the PyTorch path's quantization and storage, decode attention in one native call per layer
+    (`kvq_lab.quant.cpu_kernel`, compiled on first use)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def decode_attention(layer, query, mask, scaling):
+        from kvq_lab.quant import cpu_kernel
+
+        return cpu_kernel.decode_attention(layer, query, mask, scaling)
+
+
 def get_backend(name: str):
-    """`torch`, `triton`, or `auto` (Triton when CUDA is present). Triton is imported only when chosen."""
+    """`torch`, `cpu`, `triton`, or `auto` (Triton when CUDA is present, else the CPU kernel where it builds, else
+    torch). Triton is imported only when chosen."""
     if name == "auto":
-        name = "triton" if torch.cuda.is_available() else "torch"
+        from kvq_lab.quant import cpu_kernel
+
+        name = "triton" if torch.cuda.is_available() else "cpu" if cpu_kernel.available() else "torch"
     if name == "torch":
         return TorchBackend
+    if name == "cpu":
+        from kvq_lab.quant import cpu_kernel
+
+        cpu_kernel.load()  # fail at cache creation, with the compiler's message, not in the middle of generate
+        return CpuBackend
     from kvq_lab.quant import triton_kernels
 
     return triton_kernels.TritonBackend
@@ -676,68 +697,78 @@ def decode_attention_torch(layer: PackedLayer, query: torch.Tensor, mask, scalin
     """One decode step's attention over a uniform-row packed layer.
 
     query [B, Hq, 1, D] (post-RoPE) -> output [B, 1, Hq, D] in query's dtype (the layout `sdpa_attention_forward`
-    returns). K and V are assembled for this step only in one transient fp32 buffer each: sinks and window copied,
-    history dequantized straight from the uint8 codes into its slice (one fused multiply-add, no intermediate);
-    then two matmuls and a softmax, with the query heads grouped per kv head (GQA without repeating K/V).
+    returns). K and V are assembled for this step only, each in a reused fp32 workspace (sinks and window copied,
+    history unpacked into a reused uint8 workspace and dequantized in place with the reference's arithmetic),
+    then one SDPA call with grouped query heads (GQA without repeating K/V). No decode step allocates anything
+    of the cache's size: fresh multi-MB buffers cost more in page faults than the arithmetic that fills them.
     Keys and values may split differently (their windows differ): each buffer follows its own stream.
     """
-    B, Hq, _, D = query.shape
-    N = layer.N
-    Hkv = layer.sink_k.shape[1]
-    r = Hq // Hkv
-    q = (query.float() * scaling).view(B, Hkv, r, D)  # head h = kv * r + i, as repeat_kv orders them
-    k = _assemble(layer, layer.k_stream, layer.sink_k, True)  # [B, Hkv, N, D] fp32
-    scores = q @ k.transpose(-1, -2)  # [B, Hkv, r, N]
+    k = _assemble(layer, layer.k_stream, layer.sink_k, "k")  # [B, Hkv, N, D] fp32
+    v = _assemble(layer, layer.v_stream, layer.sink_v, "v")
+    return attend(query, k, v, mask, scaling)
+
+
+def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """SDPA of query [B, Hq, 1, D] over this step's fp32 k, v [B, Hkv, N, D] -> [B, 1, Hq, D] in query's dtype."""
     if mask is not None:
-        mask = mask[..., -N:]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    p = torch.softmax(scores, -1)
-    v = _assemble(layer, layer.v_stream, layer.sink_v, False)
-    return (p @ v).view(B, Hq, 1, D).transpose(1, 2).to(query.dtype)
+        mask = mask[..., -k.shape[2] :]
+    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).to(query.dtype)
 
 
 _WORKSPACE: dict = {}
 
 
-def _workspace(name: str, numel: int, device) -> torch.Tensor:
-    """A flat fp32 scratch buffer reused by every layer and step (decode working memory, not cache storage:
-    one layer's K or V at a time, overwritten by the next layer; reusing it spares a fresh multi-MB
-    allocation, and its page faults, per layer per step)."""
-    buf = _WORKSPACE.get((name, device))
+def _workspace(name: str, numel: int, device, dtype=torch.float32) -> torch.Tensor:
+    """A flat scratch buffer reused by every layer and step (decode working memory, not cache storage: one
+    layer's K or V at a time, overwritten by the next layer; reusing it spares a fresh multi-MB allocation,
+    and its page faults, per layer per step)."""
+    buf = _WORKSPACE.get((name, device, dtype))
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device)
-        _WORKSPACE[(name, device)] = buf
+        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device, dtype=dtype)
+        _WORKSPACE[(name, device, dtype)] = buf
     return buf[:numel]
 
 
-def _assemble(layer: PackedLayer, stream, sink: torch.Tensor, is_key: bool) -> torch.Tensor:
+def _codes_into(store: PackedStore, n: int, name: str) -> torch.Tensor:
+    """uint8 codes [B, H, n', D] (n' >= n, whole blocks) of storage positions [0, n), unpacked into a workspace."""
+    bits, m, nb = store.spec.bits, store._m, store._nb
+    if nb != 1:  # 3-bit words span 3 bytes: the general unpack (allocates)
+        return store.codes_u8(n)
+    B, H, D = store.dims
+    nblk = -(-n // BLOCK)
+    u = BLOCK // m
+    packed = store.codes[:, :, : nblk * m].view(B, H, nblk, 1, m, D)
+    out = _workspace(name + "codes", B * H * nblk * BLOCK * D, packed.device, torch.uint8)
+    out = out.view(B, H, nblk, u, m, D)
+    torch.bitwise_right_shift(packed, _shifts(bits, torch.uint8, packed.device), out=out)
+    return out.bitwise_and_((1 << bits) - 1).view(B, H, nblk * BLOCK, D)
+
+
+def _assemble(layer: PackedLayer, stream, sink: torch.Tensor, name: str) -> torch.Tensor:
     """fp32 [B, H, N, D] of one stream for this step: sinks | dequantized history | window (uniform rows)."""
     B, H, _, D = sink.shape
     N, S = layer.N, layer.cfg.sink_tokens
     s = min(S, N)
     n, win = layer._segments(stream)
-    out = _workspace("k" if is_key else "v", B * H * N * D, sink.device).view(B, H, N, D)
+    out = _workspace(name, B * H * N * D, sink.device).view(B, H, N, D)
     if s:
         out[:, :, :s] = sink[:, :, :s]
     if n:
         store = stream.store
-        if is_key and layer.rope is not None:
+        if name == "k" and layer.rope is not None:
             out[:, :, s : s + n] = layer.key_history(n)
         else:
             G = store.spec.group_size
-            c = store.codes_u8(n)
             if store.spec.axis == "token":  # params [B, H, n, D/G] broadcast over each group's channels
                 shape = (B, H, n, D // G, G)
                 sc, z = store.scale[:, :, :n, :, None], store.zero[:, :, :n, :, None]
             else:  # params [B, H, n/G, D] broadcast over each group's tokens
                 shape = (B, H, n // G, G, D)
                 sc, z = store.scale[:, :, : n // G, None, :], store.zero[:, :, : n // G, None, :]
+            # code -> fp32 in place, then * scale, + zero: the reference's two roundings, no intermediate buffer
             dst = out[:, :, s : s + n].view(shape)
-            if store.spec.axis == "token":
-                # broadcasting over the innermost dim is slow in one fused op on CPU; three in-place passes are not
-                dst.copy_(c[:, :, :n].view(shape)).mul_(sc.float()).add_(z.float())
-            else:
-                torch.addcmul(z.float(), c[:, :, :n].view(shape), sc.float(), out=dst)
+            dst.copy_(_codes_into(store, n, name)[:, :, :n].view(shape)).mul_(sc.float()).add_(z.float())
     if win.shape[2]:
         out[:, :, N - win.shape[2] :] = win
     return out
@@ -751,9 +782,8 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if layer.backend.name == "triton":
-        return layer.backend.decode_attention(layer, query, attention_mask, scaling), None
-    return decode_attention_torch(layer, query, attention_mask, scaling), None
+    fused = getattr(layer.backend, "decode_attention", decode_attention_torch)
+    return fused(layer, query, attention_mask, scaling), None
 
 
 ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, kvq_sdpa_attention)
