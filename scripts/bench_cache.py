@@ -41,11 +41,13 @@ def make_caches(model, bits: int, G: int, R: int) -> dict:
     """name -> factory of a fresh cache."""
     spec_k, spec_v = QuantSpec(bits, G, "channel"), QuantSpec(bits, G, "token")
     packed = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="torch")
+    packed_cpu = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="cpu")
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
     hf = dict(nbits=bits, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)
     return {
         "DynamicCache": lambda: DynamicCache(config=model.config),
         f"ours packed {bits}b K-C V-T G{G} R{R}": lambda: QuantizedKVCache.for_model(model, packed),
+        f"ours packed {bits}b K-C V-T G{G} R{R} cpu kernel": lambda: QuantizedKVCache.for_model(model, packed_cpu),
         f"ours simulated {bits}b K-C V-T G{G}": lambda: QuantizedKVCache.for_model(model, simulated),
         f"HF quanto {bits}b G{G} R{R}": lambda: QuantizedCache("quanto", model.config, **hf),
         f"HF hqq {bits}b G{G} R{R}": lambda: QuantizedCache("hqq", model.config, **hf),

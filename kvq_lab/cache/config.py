@@ -8,7 +8,7 @@ from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
 MODES = ("simulated", "packed")
 ROPE = ("post", "pre")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
