@@ -175,6 +175,12 @@ def validate(cfg: DictConfig) -> RunPlan:
     from kvq_lab.tasks import TASKS
 
     cache = cache_config(cfg)
+    if cache.mode == "packed" and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
+        from kvq_lab.quant.cpu_kernel import build_error
+
+        err = build_error()
+        if err is not None:
+            raise ConfigError(f"backend=cpu: {err.splitlines()[0]}")
     for key in ("limit",):
         _int(cfg, key, lo=1, allow_none=True)
     _int(cfg, "seed", lo=0)

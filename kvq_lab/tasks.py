@@ -65,12 +65,22 @@ class LmEvalTask(Task):
         from kvq_lab.eval.harness import run_lm_eval
 
         metrics, samples = run_lm_eval(
-            self.lm_eval_name, ctx.model, ctx.tokenizer, ctx.make_cache, limit=ctx.limit,
-            batch_size=ctx.cfg.batch_size, num_fewshot=ctx.cfg.task.get("num_fewshot"), log_samples=True,
+            self.lm_eval_name,
+            ctx.model,
+            ctx.tokenizer,
+            ctx.make_cache,
+            limit=ctx.limit,
+            batch_size=ctx.cfg.batch_size,
+            num_fewshot=ctx.cfg.task.get("num_fewshot"),
+            log_samples=True,
         )
         ctx.artifacts["samples"] = [
-            {"doc_id": s.get("doc_id"), "target": s.get("target"), "response": (s.get("filtered_resps") or [None])[0],
-             **{k: s[k] for k in ("em", "f1", "exact_match") if k in s}}
+            {
+                "doc_id": s.get("doc_id"),
+                "target": s.get("target"),
+                "response": (s.get("filtered_resps") or [None])[0],
+                **{k: s[k] for k in ("em", "f1", "exact_match") if k in s},
+            }
             for s in samples
         ]
         return metrics

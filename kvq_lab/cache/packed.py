@@ -42,6 +42,8 @@ a cache built directly), `update` returns dequantized K/V and the model's attent
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -239,6 +241,20 @@ class TorchBackend:
         return x.view(B, H, n, D)
 
 
+_WARNED: set = set()
+
+
+def _cpu_kernel_builds() -> bool:
+    from kvq_lab.quant import cpu_kernel
+
+    err = cpu_kernel.build_error()
+    if err is not None and "auto" not in _WARNED:
+        _WARNED.add("auto")
+        first = err.splitlines()[0]
+        warnings.warn(f"backend=auto: {first}; the packed cache uses the PyTorch path (backend=torch)", stacklevel=3)
+    return err is None
+
+
 class CpuBackend(TorchBackend):
     """`backend=cpu`: the PyTorch path's quantization and storage, decode attention in one native call per layer
     (`kvq_lab.quant.cpu_kernel`, compiled on first use)."""
@@ -256,9 +272,7 @@ def get_backend(name: str):
     """`torch`, `cpu`, `triton`, or `auto` (Triton when CUDA is present, else the CPU kernel where it builds, else
     torch). Triton is imported only when chosen."""
     if name == "auto":
-        from kvq_lab.quant import cpu_kernel
-
-        name = "triton" if torch.cuda.is_available() else "cpu" if cpu_kernel.available() else "torch"
+        name = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
     if name == "torch":
         return TorchBackend
     if name == "cpu":

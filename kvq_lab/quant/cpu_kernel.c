@@ -1,11 +1,13 @@
-/* Decode-step K/V assembly from the packed cache, for the CPU (`backend=cpu`, built by cpu_kernel.py).
+/* Fused decode attention over the packed cache, for the CPU (`backend=cpu`, built by cpu_kernel.py).
 
-One call per layer and decode step writes this step's fp32 K and V ([B, H, N, D] each, in reused workspaces)
-from sinks | packed history | fp window, in one pass over each: every history row is unpacked and dequantized
-straight from the packed bytes (no unpacked-code buffer, no per-op passes), parameters converted from fp16 once
-per row (per-token groups) or once per group of rows (per-channel groups). Attention then runs in PyTorch's SDPA.
-The values written are bit for bit those of the PyTorch path (`kvq_lab.cache.packed._assemble`): the
-dequantization `code * scale + zero` keeps the reference's two roundings (build with -ffp-contract=off).
+One call per layer and decode step: for every (batch row, kv head, chunk of positions) task, the scores of the
+kv head's query heads over sinks | packed history | fp window, a softmax partial (max, sum) and the weighted sum
+of the values; then the chunks are combined (flash-decoding). History rows are unpacked and dequantized straight
+from the packed bytes into one D-float buffer (parameters converted from fp16 once per row for per-token groups,
+once per group of rows for per-channel groups): nothing of the cache's size is ever written, so the step's memory
+traffic is the packed bytes, not a dequantized copy of K and V. The dequantized values are bit for bit those of
+the PyTorch path (`kvq_lab.cache.packed._assemble`: `code * scale + zero` with two roundings, so the build uses
+-ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes
 of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + m, ... in `bits`-bit fields,
@@ -13,16 +15,18 @@ least significant first, as nb little-endian bytes in nb byte planes of m rows:
     byte j of word (blk, r, d) = codes[blk * nb * m + j * m + r][d]
 Parameters are fp16: per-token groups [T, D/G], per-channel groups [T/G, D].
 */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define KVQ_BLOCK 32
 #define KVQ_MAX_D 1024
+#define KVQ_MAX_CHUNK 256
+#define KVQ_MAX_R 32
 
 /* One tensor (keys or values) of one layer. Every field is int64 so the Python side fills a flat array;
    pointers are addresses. Strides are in elements of the pointed-to type; the last dim has stride 1. */
 typedef struct {
-    int64_t out;                    /* fp32 [B, H, N, D], contiguous: what this call writes */
     int64_t codes, scale, zero;     /* uint8 packed codes, fp16 (uint16 bits) scale and zero point */
     int64_t cb, ch, cr;             /* codes strides: batch, head, byte row */
     int64_t pb, ph, pt;             /* scale/zero strides: batch, head, row */
@@ -33,7 +37,12 @@ typedef struct {
 } Stream;
 
 typedef struct {
-    int64_t B, H, D, N, s;          /* s: sink positions present */
+    int64_t q, qb, qh;              /* fp32 query [B, Hq, D], scaled */
+    int64_t out, ob, oh;            /* fp32 output [B, Hq, D] */
+    int64_t mask, mb;               /* fp32 additive mask [B, N], or 0 */
+    int64_t partial;                /* fp32 scratch [B * Hkv * chunks, r, D + 2] */
+    int64_t B, Hq, Hkv, D, N, s;    /* s: sink positions present */
+    int64_t chunk;                  /* positions per task (<= KVQ_MAX_CHUNK) */
     Stream k, v;
 } Args;
 
@@ -68,56 +77,143 @@ static inline void deq_row_n(float *restrict out, const uint8_t *restrict row, i
     }
 }
 
-/* Rows (sinks, history, window) of (b, h) = divmod(bh, H) of one stream. */
-static void assemble_one(const Args *a, const Stream *st, int64_t bh) {
-    const int64_t D = a->D, N = a->N, S = a->s, n = st->n, G = st->group, m = st->m, nb = st->nb;
-    const unsigned mask = (1u << st->bits) - 1u;
-    float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
-    {
-        const int64_t b = bh / a->H, h = bh % a->H;
-        {
-            float *out = (float *)st->out + (b * a->H + h) * N * D;
-            const float *sink = (const float *)st->sink + b * st->sb + h * st->sh;
-            for (int64_t p = 0; p < S; p++) memcpy(out + p * D, sink + p * st->st, D * sizeof(float));
-            const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
-            const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
-            const uint16_t *zp = (const uint16_t *)st->zero + b * st->pb + h * st->ph;
-            int64_t group = -1;
-            for (int64_t t = 0; t < n; t++) {
-                if (st->token_axis) {  /* parameters of this row: D/G groups of G channels */
-                    for (int64_t g = 0; g < D / G; g++) {
-                        const float s = half_to_float(sc[t * st->pt + g]), z = half_to_float(zp[t * st->pt + g]);
-                        for (int64_t d = g * G; d < (g + 1) * G; d++) {
-                            sbuf[d] = s;
-                            zbuf[d] = z;
-                        }
-                    }
-                } else if (t / G != group) {  /* a new group of G rows: its D parameters */
-                    group = t / G;
-                    for (int64_t d = 0; d < D; d++) {
-                        sbuf[d] = half_to_float(sc[group * st->pt + d]);
-                        zbuf[d] = half_to_float(zp[group * st->pt + d]);
-                    }
-                }
-                const int64_t tt = t % KVQ_BLOCK, plane = tt / m;
-                const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
-                const unsigned shift = (unsigned)(st->bits * plane);
-                if (nb == 1)
-                    deq_row_1(out + (S + t) * D, row, shift, mask, sbuf, zbuf, D);
-                else
-                    deq_row_n(out + (S + t) * D, row, m * st->cr, nb, shift, mask, sbuf, zbuf, D);
+/* Dequantize history row t (storage position) of stream st at (b, h) into out[D]. sbuf/zbuf hold the row's
+   parameters; for per-channel groups they are reloaded only when t enters a new group (*group tracks it). */
+static inline void history_row(const Stream *st, int64_t b, int64_t h, int64_t t, int64_t D, float *restrict out,
+                               float *restrict sbuf, float *restrict zbuf, int64_t *group) {
+    const int64_t G = st->group, m = st->m, nb = st->nb;
+    const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
+    const uint16_t *zp = (const uint16_t *)st->zero + b * st->pb + h * st->ph;
+    if (st->token_axis) {  /* parameters of this row: D/G groups of G channels */
+        for (int64_t g = 0; g < D / G; g++) {
+            const float s = half_to_float(sc[t * st->pt + g]), z = half_to_float(zp[t * st->pt + g]);
+            for (int64_t d = g * G; d < (g + 1) * G; d++) {
+                sbuf[d] = s;
+                zbuf[d] = z;
             }
-            const float *win = (const float *)st->win + b * st->wb + h * st->wh + (st->W - st->w) * st->wt;
-            for (int64_t p = 0; p < st->w; p++) memcpy(out + (N - st->w + p) * D, win + p * st->wt, D * sizeof(float));
+        }
+    } else if (t / G != *group) {  /* a new group of G rows: its D parameters */
+        *group = t / G;
+        for (int64_t d = 0; d < D; d++) {
+            sbuf[d] = half_to_float(sc[*group * st->pt + d]);
+            zbuf[d] = half_to_float(zp[*group * st->pt + d]);
+        }
+    }
+    const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
+    const int64_t tt = t % KVQ_BLOCK, plane = tt / m;
+    const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
+    const unsigned shift = (unsigned)(st->bits * plane), mask = (1u << st->bits) - 1u;
+    if (nb == 1)
+        deq_row_1(out, row, shift, mask, sbuf, zbuf, D);
+    else
+        deq_row_n(out, row, m * st->cr, nb, shift, mask, sbuf, zbuf, D);
+}
+
+/* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (sinks, window) or dequantized into
+   buf (history). */
+static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t p, float *buf,
+                                  float *sbuf, float *zbuf, int64_t *group) {
+    if (p < a->s) return (const float *)st->sink + b * st->sb + h * st->sh + p * st->st;
+    if (p < a->s + st->n) {
+        history_row(st, b, h, p - a->s, a->D, buf, sbuf, zbuf, group);
+        return buf;
+    }
+    return (const float *)st->win + b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt;
+}
+
+/* a . b with 16 independent partial sums (vectorises; a single running sum would be a serial chain) */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+    float acc[16] = {0}, tail = 0.0f;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[d + j] * b[d + j];
+    for (; d < D; d++) tail += a[d] * b[d];
+    for (int j = 0; j < 8; j++) acc[j] += acc[j + 8];
+    for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail;
+}
+
+/* exp(x) for x <= 0, vectorisable: 2^n * P(r), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split of ln2),
+   P the degree-7 Taylor polynomial (relative error ~1e-7); x < -87 (below fp32's normal range) gives 0. */
+static inline float exp_neg(float x) {
+    const float fn = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } two_n;
+    two_n.i = ((int32_t)fn + 127) << 23;
+    return x < -87.0f ? 0.0f : p * two_n.f;
+}
+
+/* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
+   chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). */
+static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float *restrict part) {
+    const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
+    float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
+    float buf[KVQ_MAX_D], sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
+    const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
+    const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
+    int64_t group = -1;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *k = kv_row(a, &a->k, b, h, p, buf, sbuf, zbuf, &group);
+        for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = dot(q + i * a->qh, k, D) + (mask ? mask[p] : 0.0f);
+    }
+    for (int64_t i = 0; i < r; i++) {
+        float *s = sc + i * T, mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < T; t++) mx = s[t] > mx ? s[t] : mx;
+        const float shift = mx == -INFINITY ? 0.0f : mx;  /* every position masked: weights 0 */
+        for (int64_t t = 0; t < T; t++) s[t] = exp_neg(s[t] - shift);
+        for (int64_t t = 0; t < T; t++) sum += s[t];
+        float *pi = part + i * (D + 2);
+        pi[0] = mx;
+        pi[1] = sum;
+        for (int64_t d = 0; d < D; d++) pi[2 + d] = 0.0f;
+    }
+    group = -1;
+    for (int64_t p = p0; p < p1; p++) {
+        const float *v = kv_row(a, &a->v, b, h, p, buf, sbuf, zbuf, &group);
+        for (int64_t i = 0; i < r; i++) {
+            float *restrict acc = part + i * (D + 2) + 2;
+            const float w = sc[i * T + (p - p0)];
+            for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
         }
     }
 }
 
-/* The 2 * B * H (stream, batch row, head) tasks, keys first, over `threads` OpenMP threads. Built with -fopenmp
-   and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname), so these
-   threads are PyTorch's own intra-op pool: a second pool would compete with PyTorch's spinning workers. */
-void kvq_assemble(const Args *a, int64_t threads) {
-    const int64_t bh = a->B * a->H, tasks = 2 * bh;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t i = 0; i < tasks; i++) assemble_one(a, i < bh ? &a->k : &a->v, i % bh);
+/* Tasks (b, kv head, chunk) over `threads` OpenMP threads, then the chunks of each query head combined. Built
+   with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
+   so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers. */
+void kvq_decode_attention(const Args *a, int64_t threads) {
+    const int64_t D = a->D, r = a->Hq / a->Hkv, C = (a->N + a->chunk - 1) / a->chunk;
+    const int64_t tasks = a->B * a->Hkv * C;
+    float *partial = (float *)a->partial;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+    for (int64_t i = 0; i < tasks; i++) {
+        const int64_t bh = i / C, c = i % C;
+        const int64_t p0 = c * a->chunk, p1 = p0 + a->chunk < a->N ? p0 + a->chunk : a->N;
+        attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, partial + i * r * (D + 2));
+    }
+    for (int64_t bq = 0; bq < a->B * a->Hq; bq++) {
+        const int64_t b = bq / a->Hq, hq = bq % a->Hq, h = hq / r, i = hq % r;
+        const float *p0 = partial + ((b * a->Hkv + h) * C) * r * (D + 2) + i * (D + 2);
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < C; c++) mx = p0[c * r * (D + 2)] > mx ? p0[c * r * (D + 2)] : mx;
+        float *o = (float *)a->out + b * a->ob + hq * a->oh;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t c = 0; c < C; c++) {
+            const float *pc = p0 + c * r * (D + 2);
+            if (pc[0] == -INFINITY) continue;
+            const float f = exp_neg(pc[0] - mx);
+            total += f * pc[1];
+            for (int64_t d = 0; d < D; d++) o[d] += f * pc[2 + d];
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
 }

@@ -1,15 +1,18 @@
 """`backend=cpu`: the packed cache's decode attention as one native call per layer and step (cpu_kernel.c).
 
-Why: the PyTorch path must dequantize the whole history into a buffer every step, in ~20 small ATen ops per
-layer; at short contexts those ops' fixed cost (not the arithmetic) is what separates it from an fp cache. The
-kernel reads the packed codes directly (each history row dequantized once into D floats on the stack) and does
-scores, softmax and the weighted sum in one call. Quantization and storage are the PyTorch path's (same bits).
+Why: the PyTorch path (`backend=torch`) must dequantize the whole history into a buffer every step, in ~20 small
+ATen ops per layer. At short contexts those ops' fixed cost, and at long ones the traffic of writing and reading
+a dequantized fp32 copy of K and V (6 MB per layer at 4096 tokens for SmolLM2), are what separate it from an fp
+cache. The kernel reads the packed codes where they are, dequantizes each history row into D floats on the stack
+and does scores, softmax and the weighted sum of values in one call (flash-decoding chunks over PyTorch's OpenMP
+threads). Quantization and storage are the PyTorch path's: same bits, same `nbytes()`. Outputs match the PyTorch
+path within fp32 rounding (tested); dequantized values are bit for bit the reference's.
 
-Built on first use with the system C compiler (`$CC`, else `cc`) into `$KVQ_KERNEL_CACHE` (default
-~/.cache/kvq_lab/kernels), keyed by the source's hash and the flags; later loads take milliseconds. Loaded with
-ctypes: no PyTorch headers, so the build takes about a second. Flags: -O3, -march=native where the compiler
-accepts it, -ffp-contract=off (the dequantization `code * scale + zero` keeps the reference's two roundings),
--fopenmp-simd (vectorised reductions, no OpenMP runtime: the kernel runs on the calling thread).
+Built on first use with the system C compiler (`$CC`, else cc, gcc or clang) into `$KVQ_KERNEL_CACHE` (default
+~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU; later loads take milliseconds. Loaded with
+ctypes (no PyTorch headers: the build takes about a second). Flags: -O3, -march=native where the compiler takes
+it, -ffp-contract=off (the dequantization `code * scale + zero` keeps the reference's two roundings), -fopenmp
+(linked against the libgomp PyTorch has already loaded, so the kernel shares PyTorch's thread pool).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -28,13 +32,12 @@ from kvq_lab.quant.pack import BLOCK, word_layout
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
 
-STREAM_FIELDS = (
-    "out codes scale zero cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
-)
-ARG_FIELDS = "B H D N s".split()
+# the C structs `Args` and `Stream`, every field an int64 (pointers as addresses), in this order
+STREAM_FIELDS = "codes scale zero cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
+ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
-MAX_D = 1024  # KVQ_MAX_D in the C source
 
 
 class KernelBuildError(RuntimeError):
@@ -43,6 +46,17 @@ class KernelBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVQ_KERNEL_CACHE", Path.home() / ".cache" / "kvq_lab" / "kernels"))
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine type and, on Linux, the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
 
 
 def _compile(out: Path) -> None:
@@ -57,49 +71,65 @@ def _compile(out: Path) -> None:
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
             cmd = [cc, *FLAGS, *arch, str(SOURCE), "-o", str(tmp_so), "-lm"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+            except OSError as e:  # $CC names something that cannot run
+                msg = f"cannot run the C compiler {cc!r} ({e}); install gcc, or set backend=torch"
+                raise KernelBuildError(msg) from e
             if proc.returncode == 0:
-                os.replace(tmp_so, out)  # atomic: concurrent builders never load a half-written file
+                os.replace(tmp_so, out)  # atomic: a concurrent builder never loads a half-written file
                 return
             errors.append(f"$ {' '.join(cmd)}\n{proc.stderr.strip()}")
-    raise KernelBuildError("building the CPU kernel failed (set backend=torch to run without it):\n" + "\n".join(errors))
+    msg = "building the CPU kernel failed (set backend=torch to run without it):\n"
+    raise KernelBuildError(msg + "\n".join(errors))
 
 
 _LIB = None
+_ERROR: KernelBuildError | None = None  # a failed build is not retried in the same process
 
 
 def load() -> ctypes.CDLL:
-    """The compiled kernel (built once per source version and machine, then loaded from the cache dir)."""
-    global _LIB
+    """The compiled kernel (built once per source version, flags and CPU, then loaded from the cache dir)."""
+    global _LIB, _ERROR
+    if _ERROR is not None:
+        raise _ERROR
     if _LIB is None:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        so = cache_dir() / f"cpu_kernel-{key}.so"
-        if not so.exists():
-            _compile(so)
-        lib = ctypes.CDLL(str(so))
-        lib.kvq_args_size.restype = ctypes.c_int64
-        if lib.kvq_args_size() != 8 * N_FIELDS:
-            raise KernelBuildError(f"{so} does not match this kvq_lab version (argument block size); delete it")
-        lib.kvq_assemble.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        lib.kvq_assemble.restype = None
-        _LIB = lib
+        try:
+            _LIB = _build_and_load()
+        except (KernelBuildError, OSError) as e:
+            _ERROR = e if isinstance(e, KernelBuildError) else KernelBuildError(f"loading the CPU kernel failed: {e}")
+            raise _ERROR from None
     return _LIB
 
 
-def available() -> bool:
-    """True when the kernel builds and loads here (used by `backend=auto`)."""
+def _build_and_load() -> ctypes.CDLL:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    so = cache_dir() / f"cpu_kernel-{key}.so"
+    if not so.exists():
+        _compile(so)
+    lib = ctypes.CDLL(str(so))
+    lib.kvq_args_size.restype = ctypes.c_int64
+    if lib.kvq_args_size() != 8 * N_FIELDS:
+        raise KernelBuildError(f"{so} does not match this kvq_lab version (argument block size); delete it")
+    lib.kvq_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.kvq_decode_attention.restype = None
+    return lib
+
+
+def build_error() -> str | None:
+    """None when the kernel builds and loads here, else why not (`backend=auto` then takes the PyTorch path)."""
     try:
         load()
-    except (KernelBuildError, OSError):
-        return False
-    return True
+    except KernelBuildError as e:
+        return str(e)
+    return None
 
 
 _ARGS = (ctypes.c_int64 * N_FIELDS)()
 
 
-def _stream_fields(layer, stream, sink: torch.Tensor, out: torch.Tensor) -> list[int]:
-    """The C `Stream` of one tensor: output workspace, packed history (if any), fp32 window buffer and sinks."""
+def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
+    """The C `Stream` of one tensor: packed history (if any), fp32 window buffer and sinks."""
     n, win = layer._segments(stream)
     st, spec = stream.store, stream.spec
     if st.codes is not None and n:
@@ -113,41 +143,55 @@ def _stream_fields(layer, stream, sink: torch.Tensor, out: torch.Tensor) -> list
     buf = stream.window  # win is its last w rows
     window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], win.shape[2]]
     sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
-    return [out.data_ptr(), *hist, *layout, *window, *sinks]
-
-
-def assemble(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """This step's fp32 K and V [B, H, N, D] of a uniform-row packed layer (rope=post), in the shared workspaces:
-    the same values as `kvq_lab.cache.packed._assemble`, bit for bit, in one native call."""
-    from kvq_lab.cache.packed import _workspace
-
-    sk, sv = layer.sink_k, layer.sink_v
-    B, H, _, D = sk.shape
-    N, S = layer.N, min(layer.cfg.sink_tokens, layer.N)
-    k = _workspace("k", B * H * N * D, sk.device).view(B, H, N, D)
-    v = _workspace("v", B * H * N * D, sk.device).view(B, H, N, D)
-    _ARGS[:] = [B, H, D, N, S, *_stream_fields(layer, layer.k_stream, sk, k),
-                *_stream_fields(layer, layer.v_stream, sv, v)]  # fmt: skip
-    load().kvq_assemble(ctypes.addressof(_ARGS), torch.get_num_threads())
-    return k, v
+    return [*hist, *layout, *window, *sinks]
 
 
 def supports(layer, query: torch.Tensor) -> bool:
     """The kernel reads fp32 sinks and windows (an fp32 model on the CPU) and post-RoPE keys; rope=pre re-rotates
-    dequantized keys, and other dtypes, devices or head sizes take the PyTorch path (same results)."""
+    dequantized keys, and other dtypes, devices, head sizes or masks take the PyTorch path (same results)."""
+    B, Hq, _, D = query.shape
+    Hkv = layer.sink_k.shape[1]
     return (
         layer.rope is None
         and query.device.type == "cpu"
         and layer.sink_k.dtype == torch.float32
-        and query.shape[-1] <= MAX_D
+        and D <= MAX_D
+        and Hq // Hkv <= MAX_R
     )
 
 
-def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """`decode_attention_torch` with K/V assembled by the kernel: the same output, bit for bit."""
-    from kvq_lab.cache.packed import attend, decode_attention_torch
+def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
+    """[B, N] fp32 additive mask from SDPA's [B, 1, 1, >= N] bool or float mask (None: no mask; False: a mask
+    the kernel cannot take, one that differs between query heads)."""
+    if mask is None:
+        return None
+    mask = mask[..., -N:]
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return False
+    if mask.dtype == torch.bool:
+        return torch.zeros(B, N).masked_fill_(~mask.reshape(B, N), float("-inf"))
+    return mask.reshape(B, N).float().contiguous()
 
-    if not supports(layer, query):
+
+def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """`decode_attention_torch`'s twin over a uniform-row packed layer: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
+    from kvq_lab.cache.packed import _workspace, decode_attention_torch
+
+    B, Hq, _, D = query.shape
+    N = layer.N
+    add = _additive_mask(mask, B, N)
+    if add is False or not supports(layer, query):
         return decode_attention_torch(layer, query, mask, scaling)
-    k, v = assemble(layer)
-    return attend(query, k, v, mask, scaling)
+    Hkv = layer.sink_k.shape[1]
+    q = (query.float() * scaling).reshape(B, Hq, D)
+    out = torch.empty(B, Hq, D)
+    chunks = -(-N // CHUNK)
+    partial = _workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
+    _ARGS[:] = [
+        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
+        B, Hq, Hkv, D, N, min(layer.cfg.sink_tokens, N), CHUNK,
+        *_stream_fields(layer, layer.k_stream, layer.sink_k), *_stream_fields(layer, layer.v_stream, layer.sink_v),
+    ]  # fmt: skip
+    load().kvq_decode_attention(ctypes.addressof(_ARGS), torch.get_num_threads())
+    return out.view(B, 1, Hq, D).to(query.dtype)

@@ -1,0 +1,159 @@
+"""`backend=cpu`: the C decode-attention kernel against the PyTorch path on awkward shapes, in generation, and
+its build: a missing compiler fails with a message that names the fix (and `auto` falls back with a warning)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers_models import compose
+from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
+
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache import packed as packed_mod
+from kvq_lab.cache.base import PaddingState
+from kvq_lab.cache.packed import PackedLayer, decode_attention_torch, get_backend
+from kvq_lab.quant import cpu_kernel
+from kvq_lab.quant.spec import QuantSpec
+
+# (key axis, value axis, key bits, value bits, sinks, R, D, G, query heads per kv head, batch, tokens)
+CASES = [
+    ("channel", "token", 2, 2, 0, 128, 64, 32, 3, 1, 420),  # the benchmark's setting, two chunks of 256
+    ("token", "channel", 3, 4, 3, 32, 128, 32, 1, 2, 300),  # 3-bit words, D=128, no GQA, sinks
+    ("channel", "channel", 1, 8, 2, 64, 64, 16, 4, 2, 300),
+    ("token", "token", 4, 3, 0, 0, 64, 64, 3, 1, 600),  # R=0: every token quantized, three chunks
+    ("channel", "token", 2, 2, 5, 0, 64, 32, 2, 2, 170),
+]
+
+
+def _layer(kax, vax, kb, vb, S, R, G, backend="cpu"):
+    cfg = CacheConfig(
+        key=QuantSpec(kb, G, kax), value=QuantSpec(vb, G, vax), mode="packed", residual_length=R, sink_tokens=S,
+        backend=backend,
+    )  # fmt: skip
+    return PackedLayer(cfg, None, PaddingState())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"K{c[2]}{c[0][0]}-V{c[3]}{c[1][0]}-S{c[4]}-R{c[5]}-D{c[6]}")
+def test_kernel_matches_the_pytorch_path(case):
+    """Every segment (sinks, history of any axis and bits, window), T not a multiple of G, several chunks, GQA,
+    bool and additive masks: measured against fp64 attention over the same dequantized K/V, the kernel's error is
+    within the PyTorch path's own (fp32 rounding; an outlier channel makes scores large, so that is ~1e-5)."""
+    kax, vax, kb, vb, S, R, D, G, r, B, T = case
+    layer = _layer(kax, vax, kb, vb, S, R, G)
+    g = torch.Generator().manual_seed(T)
+    k, v = torch.randn(B, 2, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)
+    k[..., 3] *= 20  # an outlier channel
+    layer.update(k[:, :, :150], v[:, :, :150])
+    checked, err_kernel, err_torch = 0, 0.0, 0.0
+    for N in range(150, T):
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        if (N - 150) % 37 and N != T - 1:
+            continue
+        q = torch.randn(B, 2 * r, 1, D, generator=g) * 3
+        scale = D**-0.5
+        K, V = layer.materialize()
+        for mask in (None, torch.rand(B, 1, 1, N + 1, generator=g) > 0.3, torch.randn(B, 1, 1, N + 1, generator=g)):
+            m64 = mask if mask is None or mask.dtype == torch.bool else mask.double()
+            exact = torch.nn.functional.scaled_dot_product_attention(
+                q.double(), K.double(), V.double(), attn_mask=m64, scale=scale, enable_gqa=True
+            ).transpose(1, 2)
+            got = cpu_kernel.decode_attention(layer, q, mask, scale)
+            ours = decode_attention_torch(layer, q, mask, scale)
+            torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
+            err_kernel = max(err_kernel, (got.double() - exact).abs().max().item())
+            err_torch = max(err_torch, (ours.double() - exact).abs().max().item())
+            checked += 1
+    assert checked >= 6
+    assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
+
+
+def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
+    """Same greedy tokens with backend=cpu and backend=torch, and decode steps really go through the kernel."""
+    calls = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(4))
+    out = {}
+    for backend in ("cpu", "torch"):
+        cfg = CacheConfig(
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+            sink_tokens=2, backend=backend,
+        )  # fmt: skip
+        out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 40)
+    assert torch.equal(out["cpu"], out["torch"])
+    assert len(calls) == 39 * 2  # every decode step after the first token, in both layers
+
+
+def test_pre_rope_keys_take_the_pytorch_path(tiny):  # noqa: F811
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for backend in ("cpu", "torch"):
+        cfg = CacheConfig(mode="packed", residual_length=32, rope="pre", backend=backend)
+        out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 20)
+    assert torch.equal(out["cpu"], out["torch"])
+
+
+def test_unsupported_inputs_fall_back():
+    layer = _layer("channel", "token", 2, 2, 0, 32, 32)
+    k = torch.randn(1, 2, 70, 64)
+    layer.update(k, k)
+    q = torch.randn(1, 4, 1, 64)
+    assert cpu_kernel.supports(layer, q)
+    per_head = torch.rand(1, 4, 1, 70) > 0.5  # a mask that differs between heads: PyTorch path
+    torch.testing.assert_close(
+        cpu_kernel.decode_attention(layer, q, per_head, 0.125), decode_attention_torch(layer, q, per_head, 0.125)
+    )
+    bf16 = _layer("channel", "token", 2, 2, 0, 32, 32)
+    bf16.update(k.bfloat16(), k.bfloat16())
+    assert not cpu_kernel.supports(bf16, q.bfloat16())
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """A fresh kernel cache dir, no loaded kernel, and a C compiler that does not exist."""
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    monkeypatch.setattr(packed_mod, "_WARNED", set())
+
+
+def test_missing_compiler_names_the_fix(no_compiler):
+    with pytest.raises(cpu_kernel.KernelBuildError, match="install gcc, or set backend=torch"):
+        get_backend("cpu")
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="uses the PyTorch path"):
+            assert get_backend("auto").name == "torch"
+
+
+def test_failed_build_names_the_fix(monkeypatch, tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: error: no such instruction' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    with pytest.raises(cpu_kernel.KernelBuildError, match="set backend=torch") as e:
+        cpu_kernel.load()
+    assert "no such instruction" in str(e.value)  # the compiler's own words come with it
+
+
+def test_backend_cpu_without_compiler_fails_before_model_load(no_compiler):
+    from kvq_lab.config import ConfigError, validate
+
+    cfg = compose(["mode=packed", "residual_length=32", "backend=cpu", "model.path=/nonexistent/model"])
+    with pytest.raises(ConfigError, match="backend=cpu: cannot run the C compiler"):
+        validate(cfg)  # the model path is bad too: the backend check comes first, before anything is loaded
+
+
+def test_kernel_is_built_once_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    cpu_kernel.load()
+    built = list(tmp_path.glob("cpu_kernel-*.so"))
+    assert len(built) == 1
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_compile", lambda out: pytest.fail("rebuilt although cached"))
+    cpu_kernel.load()
