@@ -3,8 +3,9 @@
     python scripts/bench_cache.py                      # SmolLM2-135M, prompts of 512 and 4096 tokens
     python scripts/bench_cache.py --lengths 512 --repeats 2 --new-tokens 24
 
-Caches: DynamicCache (fp), ours packed (2-bit, K per-channel, V per-token, G=32, R=128), ours simulated (same
-quantizers, fake quant), and transformers' QuantizedCache with the quanto and hqq backends at the same bits,
+Caches: DynamicCache (fp), ours packed (2-bit, K per-channel, V per-token, G=32, R=128) with the default backend
+(`auto`: the C kernel on CPU, Triton on CUDA) and with the pure-PyTorch path (`backend=torch`), ours simulated
+(same quantizers, fake quant), and transformers' QuantizedCache with the quanto and hqq backends at the same bits,
 group size and residual length (their default axes, 0). Runs are interleaved (cache A, B, C, ..., then again)
 so that load from other processes hits every cache alike; each figure is the median over repeats.
 
@@ -26,6 +27,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache.packed import get_backend
 from kvq_lab.models import load_model
 from kvq_lab.quant.spec import QuantSpec
 
@@ -40,14 +42,15 @@ TEXT = (
 def make_caches(model, bits: int, G: int, R: int) -> dict:
     """name -> factory of a fresh cache."""
     spec_k, spec_v = QuantSpec(bits, G, "channel"), QuantSpec(bits, G, "token")
-    packed = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="torch")
-    packed_cpu = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="cpu")
+    packed = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R)  # backend=auto, the default
+    packed_torch = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="torch")
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
     hf = dict(nbits=bits, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)
+    auto = get_backend("auto").name
     return {
         "DynamicCache": lambda: DynamicCache(config=model.config),
-        f"ours packed {bits}b K-C V-T G{G} R{R}": lambda: QuantizedKVCache.for_model(model, packed),
-        f"ours packed {bits}b K-C V-T G{G} R{R} cpu kernel": lambda: QuantizedKVCache.for_model(model, packed_cpu),
+        f"ours packed {bits}b K-C V-T G{G} R{R} ({auto})": lambda: QuantizedKVCache.for_model(model, packed),
+        f"ours packed {bits}b K-C V-T G{G} R{R} (torch)": lambda: QuantizedKVCache.for_model(model, packed_torch),
         f"ours simulated {bits}b K-C V-T G{G}": lambda: QuantizedKVCache.for_model(model, simulated),
         f"HF quanto {bits}b G{G} R{R}": lambda: QuantizedCache("quanto", model.config, **hf),
         f"HF hqq {bits}b G{G} R{R}": lambda: QuantizedCache("hqq", model.config, **hf),

@@ -67,6 +67,26 @@ def test_kernel_matches_the_pytorch_path(case):
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
 
 
+def test_portable_build_matches(monkeypatch, tmp_path):
+    """The plain-C fp16 conversion (what a CPU without F16C, or a build without -march=native, uses) gives the
+    same outputs as the default build: fp16 -> fp32 is exact both ways, subnormals and negative zero included."""
+    layer = _layer("token", "channel", 2, 3, 1, 32, 32)  # per-token keys: one conversion per group per row
+    k, v = torch.randn(1, 2, 140, 64), torch.randn(1, 2, 140, 64)
+    k[:, :, :, 32:] *= 1e-6  # tiny groups: subnormal fp16 scales
+    v[:, :, 70:100] = -0.0
+    layer.update(k, v)
+    q = torch.randn(1, 4, 1, 64)
+    default = cpu_kernel.decode_attention(layer, q, None, 0.125)
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    portable = cpu_kernel.decode_attention(layer, q, None, 0.125)
+    assert len(list(tmp_path.glob("cpu_kernel-*.so"))) == 1
+    assert torch.equal(portable, default)
+    assert bool((layer.k_stream.store.scale.float().abs() < 6.1e-5).any())  # subnormals were really there
+
+
 def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     """Same greedy tokens with backend=cpu and backend=torch, and decode steps really go through the kernel."""
     calls = []

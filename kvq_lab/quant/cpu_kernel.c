@@ -48,6 +48,10 @@ typedef struct {
 
 int64_t kvq_args_size(void) { return (int64_t)sizeof(Args); }
 
+#if defined(__F16C__) && !defined(KVQ_PORTABLE)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); } /* one instruction (x86 F16C) */
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
     float f;
@@ -59,22 +63,24 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
-/* out[d] = code(row, plane) * s[d] + z[d], d < D (one byte plane: bits 1, 2, 4, 8) */
-static inline void deq_row_1(float *restrict out, const uint8_t *restrict row, unsigned shift, unsigned mask,
-                             const float *restrict s, const float *restrict z, int64_t D) {
-    for (int64_t d = 0; d < D; d++) out[d] = (float)((row[d] >> shift) & mask) * s[d] + z[d];
-}
-
-/* the same for words of nb > 1 bytes (3-bit: 8 codes in 3 bytes); byte j of the word is `plane` rows below */
-static inline void deq_row_n(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
-                             unsigned shift, unsigned mask, const float *restrict s, const float *restrict z,
-                             int64_t D) {
-    for (int64_t d = 0; d < D; d++) {
-        uint32_t word = 0;
-        for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
-        out[d] = (float)((word >> shift) & mask) * s[d] + z[d];
-    }
+/* out[d] = code(d) * s[d] + z[d] for d < n, codes `shift` bits up in the words of `row` (nb bytes each, byte j
+   `plane` bytes below byte 0); s and z either per channel (ds = 1) or one value for all n channels (ds = 0). */
+static inline void deq_run(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
+                           unsigned shift, unsigned mask, const float *restrict s, const float *restrict z,
+                           int64_t ds, int64_t n) {
+    if (nb == 1 && ds)
+        for (int64_t d = 0; d < n; d++) out[d] = (float)((row[d] >> shift) & mask) * s[d] + z[d];
+    else if (nb == 1) {
+        const float s0 = s[0], z0 = z[0];
+        for (int64_t d = 0; d < n; d++) out[d] = (float)((row[d] >> shift) & mask) * s0 + z0;
+    } else
+        for (int64_t d = 0; d < n; d++) {
+            uint32_t word = 0;
+            for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
+            out[d] = (float)((word >> shift) & mask) * s[ds * d] + z[ds * d];
+        }
 }
 
 /* Dequantize history row t (storage position) of stream st at (b, h) into out[D]. sbuf/zbuf hold the row's
@@ -84,29 +90,25 @@ static inline void history_row(const Stream *st, int64_t b, int64_t h, int64_t t
     const int64_t G = st->group, m = st->m, nb = st->nb;
     const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
     const uint16_t *zp = (const uint16_t *)st->zero + b * st->pb + h * st->ph;
-    if (st->token_axis) {  /* parameters of this row: D/G groups of G channels */
+    const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
+    const int64_t tt = t % KVQ_BLOCK, plane = m * st->cr;
+    const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
+    const unsigned shift = (unsigned)(st->bits * (tt / m)), mask = (1u << st->bits) - 1u;
+    if (st->token_axis) {  /* D/G groups of G channels, one scale and zero point each */
         for (int64_t g = 0; g < D / G; g++) {
             const float s = half_to_float(sc[t * st->pt + g]), z = half_to_float(zp[t * st->pt + g]);
-            for (int64_t d = g * G; d < (g + 1) * G; d++) {
-                sbuf[d] = s;
-                zbuf[d] = z;
-            }
+            deq_run(out + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
         }
-    } else if (t / G != *group) {  /* a new group of G rows: its D parameters */
+        return;
+    }
+    if (t / G != *group) {  /* a new group of G rows: its D parameters */
         *group = t / G;
         for (int64_t d = 0; d < D; d++) {
             sbuf[d] = half_to_float(sc[*group * st->pt + d]);
             zbuf[d] = half_to_float(zp[*group * st->pt + d]);
         }
     }
-    const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
-    const int64_t tt = t % KVQ_BLOCK, plane = tt / m;
-    const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
-    const unsigned shift = (unsigned)(st->bits * plane), mask = (1u << st->bits) - 1u;
-    if (nb == 1)
-        deq_row_1(out, row, shift, mask, sbuf, zbuf, D);
-    else
-        deq_row_n(out, row, m * st->cr, nb, shift, mask, sbuf, zbuf, D);
+    deq_run(out, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
 }
 
 /* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (sinks, window) or dequantized into

@@ -12,7 +12,8 @@ Built on first use with the system C compiler (`$CC`, else cc, gcc or clang) int
 ~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU; later loads take milliseconds. Loaded with
 ctypes (no PyTorch headers: the build takes about a second). Flags: -O3, -march=native where the compiler takes
 it, -ffp-contract=off (the dequantization `code * scale + zero` keeps the reference's two roundings), -fopenmp
-(linked against the libgomp PyTorch has already loaded, so the kernel shares PyTorch's thread pool).
+(linked against the libgomp PyTorch has already loaded, so the kernel shares PyTorch's thread pool), and any in
+`$KVQ_KERNEL_CFLAGS`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
+def _flags() -> list[str]:
+    """FLAGS plus `$KVQ_KERNEL_CFLAGS` (e.g. `-DKVQ_PORTABLE` for the plain-C fp16 conversion)."""
+    return FLAGS + os.environ.get("KVQ_KERNEL_CFLAGS", "").split()
+
+
 def _compile(out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -70,7 +76,7 @@ def _compile(out: Path) -> None:
     for arch in (["-march=native"], []):  # some compilers (or CPUs) refuse -march=native
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             tmp_so = Path(tmp) / out.name
-            cmd = [cc, *FLAGS, *arch, str(SOURCE), "-o", str(tmp_so), "-lm"]
+            cmd = [cc, *_flags(), *arch, str(SOURCE), "-o", str(tmp_so), "-lm"]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
             except OSError as e:  # $CC names something that cannot run
@@ -103,7 +109,7 @@ def load() -> ctypes.CDLL:
 
 
 def _build_and_load() -> ctypes.CDLL:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_id().encode()).hexdigest()[:16]
     so = cache_dir() / f"cpu_kernel-{key}.so"
     if not so.exists():
         _compile(so)
