@@ -32,12 +32,13 @@ the batch-1 path, exact); the fused decode path below serves unpadded batches.
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
 `kvq_sdpa` (registered here), which hands ordinary tensors to SDPA unchanged and, on decode steps, receives the
-layer itself (`PackedKV`) instead of K/V tensors. The PyTorch path then builds each of K and V for this step in
-one transient fp32 buffer (sinks and window copied, history dequantized straight from the uint8 codes into its
-slice, one pass), and attends with two matmuls, query heads grouped per kv head (no repeat_kv). Nothing
-dequantized outlives the step; `nbytes()` counts only what is stored. With `backend=triton` a fused kernel does
-the same over the packed bytes without any buffer. Without the routing (another attention implementation, or
-a cache built directly), `update` returns dequantized K/V and the model's attention runs as usual.
+layer itself (`PackedKV`) instead of K/V tensors. The backend's `decode_attention` then attends over the packed
+storage: `backend=cpu` (the CPU default) and `backend=triton` with a fused kernel that reads the packed bytes
+(no buffer of the cache's size); `backend=torch`, the pure-PyTorch path below, builds each of K and V for this
+step in a reused fp32 workspace (sinks and window copied, history unpacked and dequantized in place) and calls
+SDPA with the query heads grouped per kv head (no repeat_kv). Nothing dequantized outlives the step; `nbytes()`
+counts only what is stored. Without the routing (another attention implementation, or a cache built directly),
+`update` returns dequantized K/V and the model's attention runs as usual.
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
 
 
 class TorchBackend:
-    """The PyTorch path (CPU default): the reference quantizer, `pack.unpack`, vectorised dequantization."""
+    """`backend=torch`, the pure-PyTorch path: the reference quantizer, `pack.unpack`, vectorised dequantization.
+    Quantization and storage of every CPU backend; decode attention is `decode_attention_torch`."""
 
     name = "torch"
 
