@@ -130,3 +130,26 @@ def test_cache_with_triton_backend_stores_the_same_bits(kax, vax):
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, Kh, Vh, scale=0.125, enable_gqa=True)
         torch.testing.assert_close(got, sdpa.transpose(1, 2), rtol=2e-5, atol=2e-6)
+
+
+def test_pre_rope_decode_matches_the_pytorch_path():
+    """rope=pre: keys are re-rotated after dequantization, which the fused kernel does not do, so the Triton
+    backend hands those layers to the PyTorch path: the same output as backend=torch."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvq_lab.cache.rope import RopeHelper
+
+    rope = RopeHelper(LlamaRotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64)).to(DEV))
+    layers = {}
+    for backend in ("triton", "torch"):
+        cfg = CacheConfig(mode="packed", residual_length=32, rope="pre", backend=backend)
+        layers[backend] = PackedLayer(cfg, rope, PaddingState())
+    k, v = inputs(1, 2, 80, 64, 3), inputs(1, 2, 80, 64, 4)
+    for layer in layers.values():
+        layer.update(k[:, :, :70], v[:, :, :70])
+        for N in range(70, 80):
+            layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
+    got = tk.decode_attention(layers["triton"], q, None, 0.125)
+    assert torch.equal(got, decode_attention_torch(layers["torch"], q, None, 0.125))
