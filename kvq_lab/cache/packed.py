@@ -490,8 +490,7 @@ class PackedLayer(QuantizedLayerBase):
         B, H, n, D = key_states.shape
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # one reduction instead of an isfinite pass per tensor: NaN/inf anywhere makes the sum non-finite
-        self.check_finite(key_states.sum() + value_states.sum())
+        self.check_finite(key_states, value_states)
         identity = isinstance(self.k_stream, ExactStream) and isinstance(self.v_stream, ExactStream)
         if identity:  # 16 bits: exactly DynamicCache
             self.k_stream.append(key_states)
@@ -592,15 +591,14 @@ class PackedLayer(QuantizedLayerBase):
             deq = self._rotate(deq, ap)
         return deq
 
+    def counts(self, stream) -> tuple[int, int]:
+        """Uniform rows: (quantized history tokens, fp window tokens) of one stream."""
+        q = stream.n_quantized(self.N) if isinstance(stream, SlidingStream) else stream.q[0]
+        return q, max(0, self.N - self.cfg.sink_tokens) - q
+
     def _segments(self, stream):
         """Uniform rows: (history length, fp window tensor) of one stream; window [B, H, w, D]."""
-        N, S = self.N, self.cfg.sink_tokens
-        hist = max(0, N - S)
-        if isinstance(stream, SlidingStream):
-            q = stream.n_quantized(N)
-        else:
-            q = stream.q[0]
-        w = hist - q
+        q, w = self.counts(stream)
         win = stream.window[:, :, stream.window.shape[2] - w :] if w else stream.window[:, :, :0]
         return q, win
 

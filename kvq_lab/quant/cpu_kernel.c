@@ -37,7 +37,7 @@ typedef struct {
 } Stream;
 
 typedef struct {
-    int64_t q, qb, qh;              /* fp32 query [B, Hq, D], scaled */
+    int64_t q, qb, qh;              /* fp32 query [B, Hq, (1,) D]: rows at q + b * qb + head * qh, D contiguous */
     int64_t out, ob, oh;            /* fp32 output [B, Hq, D] */
     int64_t mask, mb;               /* fp32 additive mask [B, N], or 0 */
     int64_t partial;                /* fp32 scratch [B * Hkv * chunks, r, D + 2] */
@@ -155,7 +155,8 @@ static inline float exp_neg(float x) {
 
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
    chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). */
-static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float *restrict part) {
+static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float scaling,
+                         float *restrict part) {
     const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
     float buf[KVQ_MAX_D], sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
@@ -164,7 +165,8 @@ static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_
     int64_t group = -1;
     for (int64_t p = p0; p < p1; p++) {
         const float *k = kv_row(a, &a->k, b, h, p, buf, sbuf, zbuf, &group);
-        for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = dot(q + i * a->qh, k, D) + (mask ? mask[p] : 0.0f);
+        for (int64_t i = 0; i < r; i++)
+            sc[i * T + (p - p0)] = dot(q + i * a->qh, k, D) * scaling + (mask ? mask[p] : 0.0f);
     }
     for (int64_t i = 0; i < r; i++) {
         float *s = sc + i * T, mx = -INFINITY, sum = 0.0f;
@@ -191,7 +193,7 @@ static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_
 /* Tasks (b, kv head, chunk) over `threads` OpenMP threads, then the chunks of each query head combined. Built
    with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
    so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers. */
-void kvq_decode_attention(const Args *a, int64_t threads) {
+void kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
     const int64_t D = a->D, r = a->Hq / a->Hkv, C = (a->N + a->chunk - 1) / a->chunk;
     const int64_t tasks = a->B * a->Hkv * C;
     float *partial = (float *)a->partial;
@@ -199,7 +201,7 @@ void kvq_decode_attention(const Args *a, int64_t threads) {
     for (int64_t i = 0; i < tasks; i++) {
         const int64_t bh = i / C, c = i % C;
         const int64_t p0 = c * a->chunk, p1 = p0 + a->chunk < a->N ? p0 + a->chunk : a->N;
-        attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, partial + i * r * (D + 2));
+        attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
     }
     for (int64_t bq = 0; bq < a->B * a->Hq; bq++) {
         const int64_t b = bq / a->Hq, hq = bq % a->Hq, h = hq / r, i = hq % r;

@@ -117,7 +117,7 @@ def _build_and_load() -> ctypes.CDLL:
     lib.kvq_args_size.restype = ctypes.c_int64
     if lib.kvq_args_size() != 8 * N_FIELDS:
         raise KernelBuildError(f"{so} does not match this kvq_lab version (argument block size); delete it")
-    lib.kvq_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.kvq_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
     lib.kvq_decode_attention.restype = None
     return lib
 
@@ -136,7 +136,7 @@ _ARGS = (ctypes.c_int64 * N_FIELDS)()
 
 def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
     """The C `Stream` of one tensor: packed history (if any), fp32 window buffer and sinks."""
-    n, win = layer._segments(stream)
+    n, w = layer.counts(stream)
     st, spec = stream.store, stream.spec
     if st.codes is not None and n:
         c, s, z = st.codes, st.scale, st.zero
@@ -146,8 +146,8 @@ def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
         hist = [0] * 9 + [0]
     u, nb = word_layout(spec.bits)
     layout = [spec.bits, nb, BLOCK // u, spec.group_size, int(spec.axis == "token")]
-    buf = stream.window  # win is its last w rows
-    window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], win.shape[2]]
+    buf = stream.window  # the window's tokens are its last w rows
+    window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], w]
     sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
     return [*hist, *layout, *window, *sinks]
 
@@ -160,7 +160,8 @@ def supports(layer, query: torch.Tensor) -> bool:
     return (
         layer.rope is None
         and query.device.type == "cpu"
-        and layer.sink_k.dtype == torch.float32
+        and query.dtype == layer.sink_k.dtype == torch.float32
+        and query.stride(-1) == 1
         and D <= MAX_D
         and Hq // Hkv <= MAX_R
     )
@@ -189,15 +190,14 @@ def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.
     if add is False or not supports(layer, query):
         return decode_attention_torch(layer, query, mask, scaling)
     Hkv = layer.sink_k.shape[1]
-    q = (query.float() * scaling).reshape(B, Hq, D)
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
     partial = _workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
     _ARGS[:] = [
-        q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
         B, Hq, Hkv, D, N, min(layer.cfg.sink_tokens, N), CHUNK,
         *_stream_fields(layer, layer.k_stream, layer.sink_k), *_stream_fields(layer, layer.v_stream, layer.sink_v),
     ]  # fmt: skip
-    load().kvq_decode_attention(ctypes.addressof(_ARGS), torch.get_num_threads())
-    return out.view(B, 1, Hq, D).to(query.dtype)
+    load().kvq_decode_attention(ctypes.addressof(_ARGS), torch.get_num_threads(), scaling)
+    return out.view(B, 1, Hq, D)
