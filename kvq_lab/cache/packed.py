@@ -51,7 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvq_lab.quant.pack import BLOCK, _shifts, unpack, word_layout
+from kvq_lab.quant.pack import BLOCK, plane_shifts, unpack, word_layout
 from kvq_lab.quant.reference import quantize
 from kvq_lab.quant.spec import QuantSpec
 
@@ -719,13 +719,8 @@ def decode_attention_torch(layer: PackedLayer, query: torch.Tensor, mask, scalin
     """
     k = _assemble(layer, layer.k_stream, layer.sink_k, "k")  # [B, Hkv, N, D] fp32
     v = _assemble(layer, layer.v_stream, layer.sink_v, "v")
-    return attend(query, k, v, mask, scaling)
-
-
-def attend(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """SDPA of query [B, Hq, 1, D] over this step's fp32 k, v [B, Hkv, N, D] -> [B, 1, Hq, D] in query's dtype."""
     if mask is not None:
-        mask = mask[..., -k.shape[2] :]
+        mask = mask[..., -layer.N :]
     out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).to(query.dtype)
 
@@ -755,7 +750,7 @@ def _codes_into(store: PackedStore, n: int, name: str) -> torch.Tensor:
     packed = store.codes[:, :, : nblk * m].view(B, H, nblk, 1, m, D)
     out = _workspace(name + "codes", B * H * nblk * BLOCK * D, packed.device, torch.uint8)
     out = out.view(B, H, nblk, u, m, D)
-    torch.bitwise_right_shift(packed, _shifts(bits, torch.uint8, packed.device), out=out)
+    torch.bitwise_right_shift(packed, plane_shifts(bits, torch.uint8, packed.device), out=out)
     return out.bitwise_and_((1 << bits) - 1).view(B, H, nblk * BLOCK, D)
 
 

@@ -131,7 +131,7 @@ def build_error() -> str | None:
     return None
 
 
-_ARGS = (ctypes.c_int64 * N_FIELDS)()
+_ArgBlock = ctypes.c_int64 * N_FIELDS
 
 
 def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
@@ -143,7 +143,7 @@ def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
         hist = [c.data_ptr(), s.data_ptr(), z.data_ptr(), c.stride(0), c.stride(1), c.stride(2)]
         hist += [s.stride(0), s.stride(1), s.stride(2), n]
     else:
-        hist = [0] * 9 + [0]
+        hist = [0] * 10
     u, nb = word_layout(spec.bits)
     layout = [spec.bits, nb, BLOCK // u, spec.group_size, int(spec.axis == "token")]
     buf = stream.window  # the window's tokens are its last w rows
@@ -193,11 +193,11 @@ def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
     partial = _workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
-    _ARGS[:] = [
+    args = _ArgBlock(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
         B, Hq, Hkv, D, N, min(layer.cfg.sink_tokens, N), CHUNK,
         *_stream_fields(layer, layer.k_stream, layer.sink_k), *_stream_fields(layer, layer.v_stream, layer.sink_v),
-    ]  # fmt: skip
-    load().kvq_decode_attention(ctypes.addressof(_ARGS), torch.get_num_threads(), scaling)
+    )  # fmt: skip
+    load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
     return out.view(B, 1, Hq, D)

@@ -79,7 +79,7 @@ def pack(codes: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:
 _SHIFTS: dict = {}
 
 
-def _shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
+def plane_shifts(bits: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[u, 1, 1] shift of each plane, built once per (bits, dtype, device): unpacking runs every decode step."""
     key = (bits, dtype, device)
     if key not in _SHIFTS:
@@ -98,13 +98,13 @@ def unpack(packed: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:
         raise ValueError(f"{rows} byte rows are not whole blocks of {nb * m} rows ({bits}-bit, block {block})")
     if nb == 1:
         w = packed.view(*lead, nblk, 1, m, D)
-        c = (w >> _shifts(bits, torch.uint8, packed.device)) & ((1 << bits) - 1)
+        c = (w >> plane_shifts(bits, torch.uint8, packed.device)) & ((1 << bits) - 1)
     else:
         p = packed.view(*lead, nblk, nb, m, D)
         w = p[..., 0, :, :].to(torch.int32)
         for i in range(1, nb):
             w = w | (p[..., i, :, :].to(torch.int32) << (8 * i))
-        c = ((w.unsqueeze(-3) >> _shifts(bits, torch.int32, packed.device)) & ((1 << bits) - 1)).to(torch.uint8)
+        c = ((w.unsqueeze(-3) >> plane_shifts(bits, torch.int32, packed.device)) & ((1 << bits) - 1)).to(torch.uint8)
     return c.reshape(*lead, nblk * block, D)
 
 
