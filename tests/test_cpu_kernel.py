@@ -138,6 +138,10 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(packed_mod, "_WARNED", set())
 
 
+def test_auto_picks_the_kernel_on_cpu():
+    assert get_backend("auto").name == ("triton" if torch.cuda.is_available() else "cpu")
+
+
 def test_missing_compiler_names_the_fix(no_compiler):
     with pytest.raises(cpu_kernel.KernelBuildError, match="install gcc, or set backend=torch"):
         get_backend("cpu")
