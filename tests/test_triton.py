@@ -37,7 +37,7 @@ def _interpreter_only(request):
 
 from kvq_lab.cache import CacheConfig  # noqa: E402
 from kvq_lab.cache.base import PaddingState  # noqa: E402
-from kvq_lab.cache.packed import PackedLayer, decode_attention_torch  # noqa: E402
+from kvq_lab.cache.packed import PackedKV, PackedLayer, decode_attention_torch, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.quant import triton_kernels as tk  # noqa: E402
 from kvq_lab.quant.pack import PackedQTensor  # noqa: E402
 from kvq_lab.quant.reference import dequantize, quantize  # noqa: E402
@@ -133,8 +133,8 @@ def test_cache_with_triton_backend_stores_the_same_bits(kax, vax):
 
 
 def test_pre_rope_decode_matches_the_pytorch_path():
-    """rope=pre: keys are re-rotated after dequantization, which the fused kernel does not do, so the Triton
-    backend hands those layers to the PyTorch path: the same output as backend=torch."""
+    """rope=pre: keys are re-rotated after dequantization, which the fused kernel does not do, so decode
+    attention hands those layers to the PyTorch path: with backend=triton, the same output as backend=torch."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -151,5 +151,6 @@ def test_pre_rope_decode_matches_the_pytorch_path():
         for N in range(70, 80):
             layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
     q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
-    got = tk.decode_attention(layers["triton"], q, None, 0.125)
+    handle = PackedKV(layers["triton"])
+    got, _ = kvq_sdpa_attention(None, q, handle, handle, None, scaling=0.125)
     assert torch.equal(got, decode_attention_torch(layers["torch"], q, None, 0.125))

@@ -792,6 +792,8 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     fused = getattr(layer.backend, "decode_attention", decode_attention_torch)
+    if layer.rope is not None:  # rope=pre re-rotates dequantized keys at their positions: only PyTorch does that
+        fused = decode_attention_torch
     return fused(layer, query, attention_mask, scaling), None
 
 

@@ -153,13 +153,12 @@ def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
 
 
 def supports(layer, query: torch.Tensor) -> bool:
-    """The kernel reads fp32 sinks and windows (an fp32 model on the CPU) and post-RoPE keys; rope=pre re-rotates
-    dequantized keys, and other dtypes, devices, head sizes or masks take the PyTorch path (same results)."""
+    """The kernel reads fp32 sinks and windows (an fp32 model on the CPU); other dtypes, devices, head sizes or
+    masks take the PyTorch path (same results). rope=pre layers never get here (`kvq_sdpa_attention`)."""
     B, Hq, _, D = query.shape
     Hkv = layer.sink_k.shape[1]
     return (
-        layer.rope is None
-        and query.device.type == "cpu"
+        query.device.type == "cpu"
         and query.dtype == layer.sink_k.dtype == torch.float32
         and query.stride(-1) == 1
         and D <= MAX_D

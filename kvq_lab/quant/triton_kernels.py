@@ -386,9 +386,7 @@ def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.
     """Triton twin of `kvq_lab.cache.packed.decode_attention_torch`: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
     from kvq_lab.cache.packed import decode_attention_torch
 
-    if mask is not None or layer.rope is not None:
-        # a mask here is not expected (padded batches take the gather path); rope=pre re-rotates the dequantized
-        # keys at their positions, which the kernel does not do
+    if mask is not None:  # padded batches take the gather path; a mask here is not expected
         return decode_attention_torch(layer, query, mask, scaling)
     B, Hq, _, D = query.shape
     N, S = layer.N, layer.cfg.sink_tokens
