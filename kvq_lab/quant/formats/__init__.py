@@ -1,0 +1,233 @@
+"""Code formats: how one group of values becomes codes + per-group parameters, and back.
+
+Every format dequantizes with one formula, so a kernel that implements it reads every format:
+
+    x' = table[code] * scale + zero          (fp32; `zero` is 0 for formats that do not store it)
+
+`table` is an fp32 vector of 2^bits entries fixed by the format (int: the integers; fp8: the values of the 256
+bit patterns) or given per tensor / layer (lut: a codebook); `scale` and `zero` are fp16, one per group.
+Groups are formed elsewhere (`kvq_lab.quant.reference._grouped`); a format only sees the grouped layout:
+
+    g      [..., n_groups, G]   the values (any float dtype; arithmetic in fp32)
+    valid  bool, broadcastable to g, or None: which elements may enter the group's statistics
+    codes  uint8 [..., n_groups, G], every code < 2^bits (elements outside `valid` get code 0)
+    scale  fp16 [..., n_groups];  zero: fp16 [..., n_groups], or None when the format stores no zero point
+
+Registered formats (import `kvq_lab.quant.formats.all` to register them all):
+    int               asymmetric uniform integer, today's arithmetic (`kvq_lab.quant.reference`), bits 1-4, 8
+    fp8_e4m3/e5m2     8-bit float codes times a per-group absmax scale, no zero point
+    lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
+
+Adding a format
+---------------
+One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `formats/all.py`:
+
+    @register_format("myfmt")
+    @dataclass(frozen=True)
+    class MyFormat(CodeFormat):
+        '''What it is, the paper, its arithmetic (the docstring is the specification).'''
+        name: str = "myfmt"
+        supported_bits = (2, 4)
+        params = ("scale",)                     # what one group stores, fp16 each
+
+        def build_table(self): ...              # -> fp32 [2^bits], on the CPU
+        def quantize_groups(self, g, valid=None): ...   # -> codes, scale, zero (None if not in params)
+        def error_bound(self, g, scale, zero): ...      # -> fp32 [..., n_groups, G], the worst case |x - x'|
+
+`tests/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
+(round trip within its own `error_bound`, codes in range, the dequantize formula, adversarial inputs) with no
+test edit. Kernels declare the formats they read with `add_kernel_support`.
+
+This module imports neither torch nor its plugins: plugins register themselves when imported, and
+`formats/all.py` is the one place that imports them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from functools import cache
+from typing import TYPE_CHECKING, ClassVar
+
+from kvq_lab.quant.spec import QuantConfigError, QuantSpec
+
+if TYPE_CHECKING:
+    import torch
+
+PARAM_BYTES = 2  # every per-group parameter is fp16 (kvq_lab.quant.reference.PARAM_DTYPE)
+
+FORMATS: dict[str, type[CodeFormat]] = {}
+_KERNEL_SUPPORT: dict[str, set[str]] = {}  # backend -> names of the formats its kernels read
+
+
+def register_format(name: str):
+    """Class decorator: make `name` resolve to the decorated `CodeFormat` subclass in `FORMATS`.
+
+    A class may carry several names (fp8_e4m3 and fp8_e5m2 share one class); the instance's `name` field says
+    which one it is.
+    """
+
+    def decorate(cls: type[CodeFormat]) -> type[CodeFormat]:
+        old = FORMATS.get(name)
+        # re-importing the same module (importlib.reload) re-registers the same class under a new identity
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"format name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        FORMATS[name] = cls
+        cls.names = tuple(n for n in cls.__dict__.get("names", ()) if n != name) + (name,)
+        return cls
+
+    return decorate
+
+
+def add_kernel_support(backend: str, *names: str) -> None:
+    """Declare that `backend`'s kernels read the formats `names` (called by the kernel module when imported)."""
+    _KERNEL_SUPPORT.setdefault(backend, set()).update(names)
+
+
+def _formats_with(bits: int) -> list[str]:
+    return sorted(n for n, cls in FORMATS.items() if bits in cls.supported_bits)
+
+
+def check_bits(name: str, bits, bits_name: str = "bits") -> int:
+    """`bits` if format `name` supports it, else a one-line QuantConfigError naming the setting and the fix.
+
+    bits=None picks the format's only width (fp8: 8); a format with several widths needs one.
+    """
+    allowed = FORMATS[name].supported_bits
+    shown = ", ".join(map(str, allowed))
+    if bits is None:
+        if len(allowed) == 1:
+            return allowed[0]
+        raise QuantConfigError(f"format={name} needs {bits_name}: one of {shown}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
+        others = _formats_with(bits) if isinstance(bits, int) and not isinstance(bits, bool) else []
+        other = f", or a format with {bits} bits: format={' | '.join(others)}" if others else ""
+        fix = f"drop {bits_name}" if len(allowed) == 1 else f"choose {bits_name} in {shown}"
+        raise QuantConfigError(f"format={name} takes {shown} bits; {bits_name}={bits!r} conflicts: {fix}{other}")
+    return bits
+
+
+def get_format(name: str, bits: int | None = None, bits_name: str = "bits", **options) -> CodeFormat:
+    """The format `name` at `bits` bits with its `options` (lut: `codebook`), validated with one-line errors.
+
+    bits_name: how the caller's setting is called in error messages (e.g. `key_bits`).
+    """
+    if name not in FORMATS:
+        if not FORMATS:
+            raise QuantConfigError(f"format={name!r}: no format is registered; import kvq_lab.quant.formats.all")
+        raise QuantConfigError(
+            f"format={name!r} is not a registered code format; allowed: {', '.join(sorted(FORMATS))}"
+        )
+    cls = FORMATS[name]
+    known = {f.name for f in fields(cls)} - {"name", "bits"}
+    for key in options:
+        if key not in known:
+            has = ", ".join(sorted(known)) or "none"
+            raise QuantConfigError(f"format={name} has no option {key!r}; its options: {has}")
+    return cls(bits=check_bits(name, bits, bits_name), name=name, **options)
+
+
+@dataclass(frozen=True)
+class CodeFormat(ABC):
+    """A code format: `bits`-bit codes plus per-group fp16 parameters (see the module docstring for shapes).
+
+    Subclasses set `supported_bits` and `params` (class attributes), give `name` a default, and implement
+    `build_table`, `quantize_groups` and `error_bound`. Dequantization is the same formula for every format
+    (`dequantize_groups`); formats differ only in their table and in how they choose codes and parameters.
+    """
+
+    bits: int
+    name: str
+
+    names: ClassVar[tuple[str, ...]] = ()  # registered names, filled by `register_format`
+    supported_bits: ClassVar[tuple[int, ...]] = ()
+    params: ClassVar[tuple[str, ...]] = ("scale", "zero")  # stored per group, fp16 each, in this order
+
+    def __post_init__(self):
+        if self.name not in type(self).names:
+            have = ", ".join(type(self).names) or "none (not registered)"
+            raise QuantConfigError(f"name={self.name!r} is not a name of {type(self).__name__}; its names: {have}")
+        check_bits(self.name, self.bits)
+
+    # -- what is stored --------------------------------------------------------------------------------------
+    @property
+    def code_bits(self) -> int:
+        """Bits per stored code (packed by `kvq_lab.quant.pack`)."""
+        return self.bits
+
+    @property
+    def param_bytes_per_group(self) -> int:
+        return PARAM_BYTES * len(self.params)
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the table a store must hold once per tensor or layer: 0 where name and bits fix the table."""
+        return 0
+
+    def supports(self, backend: str) -> bool:
+        """Whether `backend` can read this format: the PyTorch path always; kernels declare themselves."""
+        return backend == "torch" or self.name in _KERNEL_SUPPORT.get(backend, ())
+
+    # -- arithmetic ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def build_table(self) -> torch.Tensor:
+        """fp32 [2^bits] on the CPU: the value of each code before scale and zero. Finite everywhere."""
+
+    def table(self, device=None) -> torch.Tensor:
+        """fp32 [2^bits] on `device` (built once per format and device: do not modify it)."""
+        return _table(self, str(device or "cpu"))
+
+    @abstractmethod
+    def quantize_groups(
+        self, g: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """g [..., n, G] -> (codes uint8 [..., n, G], scale fp16 [..., n], zero fp16 [..., n] or None)."""
+
+    def dequantize_groups(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """codes [..., n, G], scale/zero [..., n] -> fp32 [..., n, G] = table[codes] * scale + zero."""
+        if (zero is None) != ("zero" not in self.params):
+            got = "no zero" if zero is None else "a zero"
+            raise ValueError(f"format={self.name} stores {', '.join(self.params)} per group; got {got}")
+        x = self.table(codes.device)[codes.long()] * scale.float().unsqueeze(-1)
+        return x if zero is None else x + zero.float().unsqueeze(-1)
+
+    @abstractmethod
+    def error_bound(self, g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [..., n, G]: the largest |x - x'| the arithmetic allows for each valid element of g, computed
+        exactly (fp32 rounding of x' itself comes on top) from the parameters `quantize_groups` chose."""
+
+
+@cache
+def _table(fmt: CodeFormat, device: str) -> torch.Tensor:
+    return fmt.build_table().to(device)
+
+
+# -- byte accounting ---------------------------------------------------------------------------------------------
+def bits_per_element(
+    fmt: CodeFormat, group_size: int, axis: str = "token", n_tokens: int | None = None, head_dim: int | None = None
+) -> float:
+    """Stored bits per element: codes plus per-group parameters, e.g. int2 G32: 2 + 2*16/32 = 3.0, fp8 G32: 8.5.
+
+    Without a shape: whole groups, `code_bits + 8 * param_bytes_per_group / group_size` (the axis only changes
+    how partial groups and blocks round up). With `n_tokens` and `head_dim`: the exact count of one
+    [1, 1, n_tokens, head_dim] tensor in the packed layout (`tensor_nbytes`). Neither includes a stored table
+    (`fmt.table_bytes`, once per tensor or layer that owns one: 64 bytes for a 4-bit lut).
+    """
+    spec = QuantSpec(fmt.code_bits, group_size, axis)  # validates group_size and axis with one-line errors
+    if n_tokens is None and head_dim is None:
+        return fmt.code_bits + 8 * fmt.param_bytes_per_group / spec.group_size
+    if n_tokens is None or head_dim is None:
+        raise QuantConfigError("bits_per_element needs both n_tokens and head_dim, or neither")
+    return 8 * tensor_nbytes(fmt, group_size, axis, n_tokens, head_dim) / (n_tokens * head_dim)
+
+
+def tensor_nbytes(fmt: CodeFormat, group_size: int, axis: str, n_tokens: int, head_dim: int) -> int:
+    """Bytes of one quantized [1, 1, n_tokens, head_dim] tensor: codes in whole packing blocks of tokens
+    (`kvq_lab.quant.pack`), parameters in whole groups, table excluded. For int it is `pack.qtensor_nbytes`."""
+    from kvq_lab.quant.pack import packed_rows  # imports torch: only here, so the registry stays light
+
+    spec = QuantSpec(fmt.code_bits, group_size, axis)  # validates group_size and axis
+    spec.check_head_dim(head_dim)
+    G = spec.group_size
+    groups = n_tokens * (head_dim // G) if axis == "token" else -(-n_tokens // G) * head_dim
+    return packed_rows(n_tokens, fmt.code_bits) * head_dim + groups * fmt.param_bytes_per_group
