@@ -1,0 +1,6 @@
+"""Imports every code format so that each registers itself in `kvq_lab.quant.formats.FORMATS`.
+
+The one place that knows the plugins: a new format adds its import here.
+"""
+
+from kvq_lab.quant.formats import fp8, int_, lut  # noqa: F401  (imported for their registration)
