@@ -176,7 +176,7 @@ def validate(cfg: DictConfig) -> RunPlan:
 
     cache = cache_config(cfg)
     if cache.mode == "packed" and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
-        from kvq_lab.quant.cpu_kernel import build_error
+        from kvq_lab.kernels.cpu_kernel import build_error
 
         err = build_error()
         if err is not None:

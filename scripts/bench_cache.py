@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.packed import get_backend
+from kvq_lab.cache.backends import get_backend
 from kvq_lab.models import load_model
 from kvq_lab.quant.spec import QuantSpec
 

@@ -40,7 +40,7 @@ def cuda_time(fn, warmup=5, repeats=30) -> float:
 
 
 def bench_quantize(lengths, H=8, D=128):
-    from kvq_lab.quant import triton_kernels as tk
+    from kvq_lab.kernels import triton_kernels as tk
     from kvq_lab.quant.spec import QuantSpec
 
     rows = []
@@ -79,7 +79,7 @@ def bench_attention(lengths, batches, Hq=32, Hkv=8, D=128):
     from kvq_lab.cache import CacheConfig
     from kvq_lab.cache.base import PaddingState
     from kvq_lab.cache.packed import PackedLayer
-    from kvq_lab.quant import triton_kernels as tk
+    from kvq_lab.kernels import triton_kernels as tk
     from kvq_lab.quant.spec import QuantSpec
 
     cfg = CacheConfig(
@@ -94,7 +94,8 @@ def bench_attention(lengths, batches, Hq=32, Hkv=8, D=128):
             layer = PackedLayer(cfg, None, PaddingState())
             layer.update(k, v)
             q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
-            ms_ours = cuda_time(lambda layer=layer, q=q: tk.decode_attention(layer, q, None, D**-0.5))
+            view = layer.decode_view()
+            ms_ours = cuda_time(lambda view=view, q=q: tk.decode_attention(view, q, None, D**-0.5))
             ms_sdpa = cuda_time(
                 lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             )

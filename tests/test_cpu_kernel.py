@@ -9,10 +9,12 @@ from helpers_models import compose
 from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache import packed as packed_mod
+from kvq_lab.cache import backends as backends_mod
+from kvq_lab.cache.backends import get_backend
 from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer, decode_attention_torch, get_backend
-from kvq_lab.quant import cpu_kernel
+from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.kernels import cpu_kernel
+from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.spec import QuantSpec
 
 # (key axis, value axis, key bits, value bits, sinks, R, D, G, query heads per kv head, batch, tokens)
@@ -57,8 +59,8 @@ def test_kernel_matches_the_pytorch_path(case):
             exact = torch.nn.functional.scaled_dot_product_attention(
                 q.double(), K.double(), V.double(), attn_mask=m64, scale=scale, enable_gqa=True
             ).transpose(1, 2)
-            got = cpu_kernel.decode_attention(layer, q, mask, scale)
-            ours = decode_attention_torch(layer, q, mask, scale)
+            got = cpu_kernel.decode_attention(layer.decode_view(), q, mask, scale)
+            ours = decode_attention_torch(layer.decode_view(), q, mask, scale)
             torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
             err_kernel = max(err_kernel, (got.double() - exact).abs().max().item())
             err_torch = max(err_torch, (ours.double() - exact).abs().max().item())
@@ -76,12 +78,12 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     v[:, :, 70:100] = -0.0
     layer.update(k, v)
     q = torch.randn(1, 4, 1, 64)
-    default = cpu_kernel.decode_attention(layer, q, None, 0.125)
+    default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
     monkeypatch.setattr(cpu_kernel, "_LIB", None)
     monkeypatch.setattr(cpu_kernel, "_ERROR", None)
-    portable = cpu_kernel.decode_attention(layer, q, None, 0.125)
+    portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     assert len(list(tmp_path.glob("cpu_kernel-*.so"))) == 1
     assert torch.equal(portable, default)
     assert bool((layer.k_stream.store.scale.float().abs() < 6.1e-5).any())  # subnormals were really there
@@ -118,14 +120,15 @@ def test_unsupported_inputs_fall_back():
     k = torch.randn(1, 2, 70, 64)
     layer.update(k, k)
     q = torch.randn(1, 4, 1, 64)
-    assert cpu_kernel.supports(layer, q)
+    assert cpu_kernel.supports(layer.decode_view(), q)
     per_head = torch.rand(1, 4, 1, 70) > 0.5  # a mask that differs between heads: PyTorch path
     torch.testing.assert_close(
-        cpu_kernel.decode_attention(layer, q, per_head, 0.125), decode_attention_torch(layer, q, per_head, 0.125)
+        cpu_kernel.decode_attention(layer.decode_view(), q, per_head, 0.125),
+        decode_attention_torch(layer.decode_view(), q, per_head, 0.125),
     )
     bf16 = _layer("channel", "token", 2, 2, 0, 32, 32)
     bf16.update(k.bfloat16(), k.bfloat16())
-    assert not cpu_kernel.supports(bf16, q.bfloat16())
+    assert not cpu_kernel.supports(bf16.decode_view(), q.bfloat16())
 
 
 @pytest.fixture
@@ -135,7 +138,7 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(cpu_kernel, "_LIB", None)
     monkeypatch.setattr(cpu_kernel, "_ERROR", None)
-    monkeypatch.setattr(packed_mod, "_WARNED", set())
+    monkeypatch.setattr(backends_mod, "_WARNED", set())
 
 
 def test_auto_picks_the_kernel_on_cpu():

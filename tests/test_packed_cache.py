@@ -8,9 +8,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache.attention import ATTN_NAME
 from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import ATTN_NAME, PackedLayer, decode_attention_torch, quantize_whole_groups
+from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups
 from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec
 
@@ -212,7 +214,7 @@ def test_decode_attention_matches_sdpa(kax, vax, S):
         q = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(N))
         K, V = layer.materialize()
         ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, enable_gqa=True).transpose(1, 2)
-        got = decode_attention_torch(layer, q, None, 64**-0.5)
+        got = decode_attention_torch(layer.decode_view(), q, None, 64**-0.5)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -36,9 +36,11 @@ def _interpreter_only(request):
 
 
 from kvq_lab.cache import CacheConfig  # noqa: E402
+from kvq_lab.cache.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.cache.base import PaddingState  # noqa: E402
-from kvq_lab.cache.packed import PackedKV, PackedLayer, decode_attention_torch, kvq_sdpa_attention  # noqa: E402
-from kvq_lab.quant import triton_kernels as tk  # noqa: E402
+from kvq_lab.cache.packed import PackedLayer  # noqa: E402
+from kvq_lab.kernels import triton_kernels as tk  # noqa: E402
+from kvq_lab.kernels.torch_path import decode_attention_torch  # noqa: E402
 from kvq_lab.quant.pack import PackedQTensor  # noqa: E402
 from kvq_lab.quant.reference import dequantize, quantize  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
@@ -125,8 +127,8 @@ def test_cache_with_triton_backend_stores_the_same_bits(kax, vax):
         Kh, Vh = th.materialize()
         assert torch.equal(Kt, Kh) and torch.equal(Vt, Vh)
         q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(N)).to(DEV)
-        ref = decode_attention_torch(th, q, None, 0.125)
-        got = tk.decode_attention(tl_, q, None, 0.125)
+        ref = decode_attention_torch(th.decode_view(), q, None, 0.125)
+        got = tk.decode_attention(tl_.decode_view(), q, None, 0.125)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
         sdpa = torch.nn.functional.scaled_dot_product_attention(q, Kh, Vh, scale=0.125, enable_gqa=True)
         torch.testing.assert_close(got, sdpa.transpose(1, 2), rtol=2e-5, atol=2e-6)
@@ -153,4 +155,4 @@ def test_pre_rope_decode_matches_the_pytorch_path():
     q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
     handle = PackedKV(layers["triton"])
     got, _ = kvq_sdpa_attention(None, q, handle, handle, None, scaling=0.125)
-    assert torch.equal(got, decode_attention_torch(layers["torch"], q, None, 0.125))
+    assert torch.equal(got, decode_attention_torch(layers["torch"].decode_view(), q, None, 0.125))

@@ -1,5 +1,10 @@
 """Quantized KV caches that plug into `transformers` generation (`past_key_values=`).
 
+Modules, one role each: `config` (what a cache does), `base` (layer machinery and the mode registry), `kv_cache`
+(`QuantizedKVCache`, which imports the layer modules so they register), `simulated` and `packed` (the layers),
+`store` (packed bits), `streams` (streaming policies), `backends` (kernel selection), `attention` (`kvq_sdpa`
+routing), `rope` (pre-RoPE bookkeeping). Kernels live below, in `kvq_lab.kernels`.
+
 Names resolve lazily so that config validation (which needs only `CacheConfig`) imports neither torch nor
 transformers.
 """
@@ -8,9 +13,9 @@ from kvq_lab._lazy import lazy_getattr
 
 _EXPORTS = {
     "CacheConfig": "config",
-    "LAYERS": "base",
+    "LAYERS": "kv_cache",  # through kv_cache: the registry with every built-in mode registered
     "NonFiniteError": "base",
-    "QuantizedKVCache": "base",
+    "QuantizedKVCache": "kv_cache",
     "register_layer": "base",
 }
 __all__ = sorted(_EXPORTS)

@@ -6,7 +6,7 @@ of the values; then the chunks are combined (flash-decoding). History rows are u
 from the packed bytes into one D-float buffer (parameters converted from fp16 once per row for per-token groups,
 once per group of rows for per-channel groups): nothing of the cache's size is ever written, so the step's memory
 traffic is the packed bytes, not a dequantized copy of K and V. The dequantized values are bit for bit those of
-the PyTorch path (`kvq_lab.cache.packed._assemble`: `code * scale + zero` with two roundings, so the build uses
+the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `code * scale + zero` with two roundings, so the build uses
 -ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes

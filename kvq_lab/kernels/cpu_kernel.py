@@ -1,5 +1,7 @@
 """`backend=cpu`: the packed cache's decode attention as one native call per layer and step (cpu_kernel.c).
 
+Takes a `DecodeView` (plain tensors, `kvq_lab.kernels.view`) and the query, like every decode attention here.
+
 Why: the PyTorch path (`backend=torch`) must dequantize the whole history into a buffer every step, in ~20 small
 ATen ops per layer. At short contexts those ops' fixed cost, and at long ones the traffic of writing and reading
 a dequantized fp32 copy of K and V (6 MB per layer at 4096 tokens for SmolLM2), are what separate it from an fp
@@ -30,6 +32,10 @@ from pathlib import Path
 import torch
 
 from kvq_lab.quant.pack import BLOCK, word_layout
+
+from .torch_path import decode_attention_torch
+from .view import DecodeView, StreamView, check_codes_only
+from .workspace import workspace
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -134,32 +140,33 @@ def build_error() -> str | None:
 _ArgBlock = ctypes.c_int64 * N_FIELDS
 
 
-def _stream_fields(layer, stream, sink: torch.Tensor) -> list[int]:
+def _stream_fields(sv: StreamView) -> list[int]:
     """The C `Stream` of one tensor: packed history (if any), fp32 window buffer and sinks."""
-    n, w = layer.counts(stream)
-    st, spec = stream.store, stream.spec
-    if st.codes is not None and n:
-        c, s, z = st.codes, st.scale, st.zero
+    n, w = sv.n, sv.w
+    if sv.codes is not None and n:
+        c, s, z = sv.codes, sv.scale, sv.zero
         hist = [c.data_ptr(), s.data_ptr(), z.data_ptr(), c.stride(0), c.stride(1), c.stride(2)]
         hist += [s.stride(0), s.stride(1), s.stride(2), n]
     else:
         hist = [0] * 10
-    u, nb = word_layout(spec.bits)
-    layout = [spec.bits, nb, BLOCK // u, spec.group_size, int(spec.axis == "token")]
-    buf = stream.window  # the window's tokens are its last w rows
+    u, nb = word_layout(sv.bits)
+    layout = [sv.bits, nb, BLOCK // u, sv.group_size, int(sv.axis == "token")]
+    buf = sv.window  # the window's tokens are its last w rows
     window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], w]
+    sink = sv.sink
     sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
     return [*hist, *layout, *window, *sinks]
 
 
-def supports(layer, query: torch.Tensor) -> bool:
+def supports(view: DecodeView, query: torch.Tensor) -> bool:
     """The kernel reads fp32 sinks and windows (an fp32 model on the CPU); other dtypes, devices, head sizes or
     masks take the PyTorch path (same results). rope=pre layers never get here (`kvq_sdpa_attention`)."""
     B, Hq, _, D = query.shape
-    Hkv = layer.sink_k.shape[1]
+    sink = view.keys.sink
+    Hkv = sink.shape[1]
     return (
         query.device.type == "cpu"
-        and query.dtype == layer.sink_k.dtype == torch.float32
+        and query.dtype == sink.dtype == torch.float32
         and query.stride(-1) == 1
         and D <= MAX_D
         and Hq // Hkv <= MAX_R
@@ -179,24 +186,22 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
     return mask.reshape(B, N).float().contiguous()
 
 
-def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """`decode_attention_torch`'s twin over a uniform-row packed layer: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
-    from kvq_lab.cache.packed import _workspace, decode_attention_torch
-
+def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """`decode_attention_torch`'s twin over packed K/V without padding: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
+    check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
-    N = layer.N
+    N = view.N
     add = _additive_mask(mask, B, N)
-    if add is False or not supports(layer, query):
-        return decode_attention_torch(layer, query, mask, scaling)
-    Hkv = layer.sink_k.shape[1]
+    if add is False or not supports(view, query):
+        return decode_attention_torch(view, query, mask, scaling)
+    Hkv = view.keys.sink.shape[1]
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
-    partial = _workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
+    partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
     args = _ArgBlock(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
-        B, Hq, Hkv, D, N, min(layer.cfg.sink_tokens, N), CHUNK,
-        *_stream_fields(layer, layer.k_stream, layer.sink_k), *_stream_fields(layer, layer.v_stream, layer.sink_v),
+        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_stream_fields(view.keys), *_stream_fields(view.values),
     )  # fmt: skip
     load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
     return out.view(B, 1, Hq, D)

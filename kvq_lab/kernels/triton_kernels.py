@@ -1,8 +1,9 @@
 """Triton kernels for the packed cache: quantize+pack, unpack+dequantize, fused decode attention over packed K/V.
 
 What they compute is pinned by the PyTorch reference (`kvq_lab.quant.reference`, `kvq_lab.quant.pack`,
-`kvq_lab.cache.packed.decode_attention_torch`); tests run them on CPU under `TRITON_INTERPRET=1` and require
-identical codes and parameters, identical dequantized values, and attention within fp32 rounding.
+`kvq_lab.kernels.torch_path.decode_attention_torch`); tests run them on CPU under `TRITON_INTERPRET=1` and require
+identical codes and parameters, identical dequantized values, and attention within fp32 rounding. Entry points take
+plain tensors (decode attention: a `kvq_lab.kernels.view.DecodeView`); `kvq_lab.cache.backends` wires them in.
 
 Layout (see `kvq_lab/quant/pack.py`): a tensor's codes are stored along tokens in blocks of BLOCK = 32 tokens;
 a block is `U` planes of `M = BLOCK / U` tokens, and word (r, d) holds the codes of tokens r, r + M, ... of the
@@ -28,6 +29,9 @@ import triton.language as tl
 from kvq_lab.quant.pack import BLOCK, word_layout
 from kvq_lab.quant.reference import QTensor
 from kvq_lab.quant.spec import QuantSpec
+
+from .torch_path import decode_attention_torch
+from .view import DecodeView, check_codes_only
 
 # ----------------------------------------------------------------------------------------------------------------
 # Scalar helpers: the reference's rounding, element-wise
@@ -382,71 +386,39 @@ def _decode_attn_kernel(
     tl.store(o_ptr + b * sob + hq * soh + d, acc / l_sum)
 
 
-def decode_attention(layer, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """Triton twin of `kvq_lab.cache.packed.decode_attention_torch`: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
-    from kvq_lab.cache.packed import decode_attention_torch
-
+def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """Triton twin of `torch_path.decode_attention_torch`: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
+    check_codes_only(view, "the Triton decode kernel")
     if mask is not None:  # padded batches take the gather path; a mask here is not expected
-        return decode_attention_torch(layer, query, mask, scaling)
+        return decode_attention_torch(view, query, mask, scaling)
     B, Hq, _, D = query.shape
-    N, S = layer.N, layer.cfg.sink_tokens
-    ks, vs = layer.k_stream, layer.v_stream
-    qk, kwin = layer._segments(ks)
-    qv, vwin = layer._segments(vs)
+    N, S = view.N, view.sink_tokens
+    ks, vs = view.keys, view.values
     Hkv = ks.window.shape[1]
     q = (query.float() * scaling).contiguous()
     out = torch.empty(B, 1, Hq, D, dtype=torch.float32, device=query.device)
-    kst, vst = ks.store, vs.store
     dummy_p = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=query.device)
     dummy_q = torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=query.device)
-    kp, ksc, kz = (kst.codes, kst.scale, kst.zero) if kst.codes is not None else (dummy_p, dummy_q, dummy_q)
-    vp, vsc, vz = (vst.codes, vst.scale, vst.zero) if vst.codes is not None else (dummy_p, dummy_q, dummy_q)
-    ku, knb = word_layout(ks.spec.bits)
-    vu, vnb = word_layout(vs.spec.bits)
-    sk, sv = layer.sink_k, layer.sink_v
+    kp, ksc, kz = (ks.codes, ks.scale, ks.zero) if ks.codes is not None else (dummy_p, dummy_q, dummy_q)
+    vp, vsc, vz = (vs.codes, vs.scale, vs.zero) if vs.codes is not None else (dummy_p, dummy_q, dummy_q)
+    ku, knb = word_layout(ks.bits)
+    vu, vnb = word_layout(vs.bits)
+    sk, sv = ks.sink, vs.sink
     kw, vw = ks.window, vs.window
     _decode_attn_kernel[(B * Hq,)](
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(2),
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), min(S, N),
-        kp, kp.stride(0), kp.stride(1), kp.stride(2), ksc, kz, ksc.stride(0), ksc.stride(1), ksc.stride(2), qk,
-        kw, kw.stride(0), kw.stride(1), kw.stride(2), kw.shape[2], kwin.shape[2],
-        vp, vp.stride(0), vp.stride(1), vp.stride(2), vsc, vz, vsc.stride(0), vsc.stride(1), vsc.stride(2), qv,
-        vw, vw.stride(0), vw.stride(1), vw.stride(2), vw.shape[2], vwin.shape[2],
+        kp, kp.stride(0), kp.stride(1), kp.stride(2), ksc, kz, ksc.stride(0), ksc.stride(1), ksc.stride(2), ks.n,
+        kw, kw.stride(0), kw.stride(1), kw.stride(2), kw.shape[2], ks.w,
+        vp, vp.stride(0), vp.stride(1), vp.stride(2), vsc, vz, vsc.stride(0), vsc.stride(1), vsc.stride(2), vs.n,
+        vw, vw.stride(0), vw.stride(1), vw.stride(2), vw.shape[2], vs.w,
         Hq, Hq // Hkv, N, S,
         D=D, BLK=BLOCK, TT=64,
-        KG=ks.spec.group_size, KBITS=ks.spec.bits, KNB=knb, KM=BLOCK // ku, K_TOKEN=ks.spec.axis == "token",
-        VG=vs.spec.group_size, VBITS=vs.spec.bits, VNB=vnb, VM=BLOCK // vu, V_TOKEN=vs.spec.axis == "token",
+        KG=ks.group_size, KBITS=ks.bits, KNB=knb, KM=BLOCK // ku, K_TOKEN=ks.axis == "token",
+        VG=vs.group_size, VBITS=vs.bits, VNB=vnb, VM=BLOCK // vu, V_TOKEN=vs.axis == "token",
     )  # fmt: skip
     return out.to(query.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The cache backend
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class TritonBackend:
-    """`backend=triton`: the packed cache quantizes, dequantizes and attends with the kernels above."""
-
-    name = "triton"
-
-    @staticmethod
-    def quantize_into(store, x, t0, valid, rows):
-        v = None if valid is None else valid[:, 0]  # [b, n]
-        quantize_into(store.codes[rows], store.scale[rows], store.zero[rows], x, store.spec, t0, v, partial="exclude")
-
-    @staticmethod
-    def unpack(packed, bits):
-        from kvq_lab.quant.pack import unpack
-
-        return unpack(packed, bits)
-
-    @staticmethod
-    def dequantize(codes, scale, zero, spec, n):
-        return unpack_dequantize(codes, scale, zero, spec, n)
-
-    decode_attention = staticmethod(decode_attention)
 
 
 def reference_qtensor(packed, scale, zero, spec: QuantSpec, length: int, dtype=torch.float32) -> QTensor:

@@ -1,4 +1,7 @@
-"""Quantizers: the spec (`QuantSpec`), the pure-PyTorch reference (the specification), and kernels.
+"""Quantizers: the spec (`QuantSpec`), the pure-PyTorch reference (the specification), and bit packing.
+
+The bottom of kvq_lab's import graph (above `_lazy` only): it imports no other kvq_lab package. Kernels that
+accelerate this arithmetic live one layer up, in `kvq_lab.kernels`, and are tested against it.
 
 Names resolve lazily so that config validation (which needs only `QuantSpec`) does not import torch.
 """

@@ -1,0 +1,122 @@
+"""Backend selection for the packed cache: which kernels quantize, dequantize and attend (`CacheConfig.backend`).
+
+A backend is a namespace with one protocol (`Backend`); the cache calls these and nothing else of the kernels:
+    write(store, x, t0, valid, rows)            quantize x [b, H, n, D] into storage positions [t0, t0 + n)
+    dequantize(codes, scale, zero, spec, n)     fp32 [B, H, n, D] of storage positions [0, n)
+    decode_attention(view, query, mask, scaling)  one decode step over a `DecodeView` -> [B, 1, Hq, D]
+
+`torch` is the pure-PyTorch path; `cpu` adds the C decode-attention kernel (quantization and storage are torch's,
+so the bits are the same); `triton` quantizes, packs, dequantizes and attends with the Triton kernels, imported only
+when chosen. `auto` picks triton with CUDA, else cpu where the kernel builds, else torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+
+from kvq_lab.kernels import cpu_kernel
+from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups, unpack_dequantize
+from kvq_lab.quant.reference import quantize
+
+
+class Backend(Protocol):
+    """What a packed-cache backend provides (see the module docstring)."""
+
+    name: str
+
+    def write(self, store, x, t0, valid, rows) -> None: ...
+    def dequantize(self, codes, scale, zero, spec, n) -> torch.Tensor: ...
+    def decode_attention(self, view, query, mask, scaling) -> torch.Tensor: ...
+
+
+class TorchBackend:
+    """`backend=torch`, the pure-PyTorch path: the reference quantizer (whole groups: `quantize_whole_groups`, the
+    same bits in fewer ops), vectorised dequantization, `decode_attention_torch`."""
+
+    name = "torch"
+
+    @staticmethod
+    def quantize(x, spec, valid):
+        """x [b, H, n, D] -> codes uint8 [b, H, n, D], fp16 scale and zero in the reference's layout."""
+        if valid is None and (spec.axis == "token" or x.shape[2] % spec.group_size == 0):
+            return quantize_whole_groups(x, spec)
+        q = quantize(x, spec, valid=valid, partial="exclude")
+        return q.codes[:, :, : x.shape[2]], q.scale, q.zero
+
+    @staticmethod
+    def write(store, x, t0, valid, rows):
+        codes, scale, zero = TorchBackend.quantize(x, store.spec, valid)
+        store.put(codes, scale, zero, t0, rows)
+
+    dequantize = staticmethod(unpack_dequantize)
+    decode_attention = staticmethod(decode_attention_torch)
+
+
+class CpuBackend(TorchBackend):
+    """`backend=cpu`: the PyTorch path's quantization and storage, decode attention in one native call per layer
+    (`kvq_lab.kernels.cpu_kernel`, compiled on first use)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def decode_attention(view, query, mask, scaling):
+        # looked up at call time, so a test can wrap the kernel and count the calls
+        return cpu_kernel.decode_attention(view, query, mask, scaling)
+
+
+class TritonBackend:
+    """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton_kernels`."""
+
+    name = "triton"
+
+    @staticmethod
+    def write(store, x, t0, valid, rows):
+        from kvq_lab.kernels import triton_kernels as tk
+
+        v = None if valid is None else valid[:, 0]  # [b, n]
+        codes, scale, zero = store.codes[rows], store.scale[rows], store.zero[rows]
+        tk.quantize_into(codes, scale, zero, x, store.spec, t0, v, partial="exclude")
+
+    @staticmethod
+    def dequantize(codes, scale, zero, spec, n):
+        from kvq_lab.kernels import triton_kernels as tk
+
+        return tk.unpack_dequantize(codes, scale, zero, spec, n)
+
+    @staticmethod
+    def decode_attention(view, query, mask, scaling):
+        from kvq_lab.kernels import triton_kernels as tk
+
+        return tk.decode_attention(view, query, mask, scaling)
+
+
+_WARNED: set = set()
+
+
+def _cpu_kernel_builds() -> bool:
+    err = cpu_kernel.build_error()
+    if err is not None and "auto" not in _WARNED:
+        _WARNED.add("auto")
+        first = err.splitlines()[0]
+        warnings.warn(f"backend=auto: {first}; the packed cache uses the PyTorch path (backend=torch)", stacklevel=3)
+    return err is None
+
+
+def get_backend(name: str) -> Backend:
+    """`torch`, `cpu`, `triton`, or `auto` (Triton when CUDA is present, else the CPU kernel where it builds, else
+    torch). Triton is imported only when chosen."""
+    if name == "auto":
+        name = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
+    if name == "torch":
+        return TorchBackend
+    if name == "cpu":
+        cpu_kernel.load()  # fail at cache creation, with the compiler's message, not in the middle of generate
+        return CpuBackend
+    if name == "triton":
+        from kvq_lab.kernels import triton_kernels  # noqa: F401  (fail at cache creation if Triton is missing)
+
+        return TritonBackend
+    raise ValueError(f"backend={name!r}; allowed: auto, torch, cpu, triton")

@@ -1,0 +1,63 @@
+"""`QuantizedKVCache`, the `transformers.Cache` of kvq_lab, and the one module that assembles the cache layers.
+
+Layer modules register themselves with `base.register_layer` when imported; importing them here (and nowhere in the
+registry) is what makes every `CacheConfig.mode` available. A new mode is one new layer module plus one import line.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import packed, simulated  # noqa: F401  (importing a layer module registers its mode)
+from .base import LAYERS, PaddingState
+from .config import CacheConfig
+from .rope import RopeHelper
+
+__all__ = ["LAYERS", "QuantizedKVCache"]
+
+
+class QuantizedKVCache(Cache):
+    """A `transformers.Cache` with independent key/value quantizers: `model.generate(..., past_key_values=cache)`.
+
+    One layer object per decoder layer, of the class registered for `cfg.mode`. Build it with
+    `QuantizedKVCache.for_model(model, cfg)`; a cache holds one generation's state, so make a fresh one per call.
+    """
+
+    def __init__(self, cfg: CacheConfig, num_layers: int, rotary_emb: torch.nn.Module | None = None):
+        if cfg.mode not in LAYERS:
+            raise ValueError(f"no cache layer registered for mode={cfg.mode!r}; have {sorted(LAYERS)}")
+        if cfg.rope == "pre" and rotary_emb is None:
+            raise ValueError("rope=pre needs the model's rotary embedding module (use QuantizedKVCache.for_model)")
+        self.cfg = cfg
+        self.padding = PaddingState()
+        rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
+        layers = [LAYERS[cfg.mode](cfg, rope, self.padding) for _ in range(num_layers)]
+        for i, layer in enumerate(layers):
+            layer.layer_idx = i
+        super().__init__(layers=layers)
+
+    @classmethod
+    def for_model(cls, model, cfg: CacheConfig) -> QuantizedKVCache:
+        text_cfg = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        cfg.check_head_dim(head_dim)
+        rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+        cache = cls(cfg, text_cfg.num_hidden_layers, rotary_emb=rotary)
+        prepare = getattr(LAYERS[cfg.mode], "prepare_model", None)  # e.g. packed: route decode attention to it
+        if prepare is not None:
+            prepare(model, cache)
+        return cache
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Declare the prompt's padding ([B, T0], 1 = token) so pad positions never enter a group's min/max."""
+        self.padding.prompt_mask = None if attention_mask is None else attention_mask.detach()
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held by the cache: `stored` (as kept) and `fp16` (the same tokens as an fp16 cache)."""
+        stored = fp16 = 0
+        for layer in self.layers:
+            s, f = layer.nbytes() if hasattr(layer, "nbytes") else (0, 0)
+            stored += s
+            fp16 += f
+        return {"stored": stored, "fp16": fp16}

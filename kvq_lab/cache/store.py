@@ -1,0 +1,115 @@
+"""Storage of the packed cache: bit-packed codes and fp16 parameters of one tensor's quantized history."""
+
+from __future__ import annotations
+
+import torch
+
+from kvq_lab.quant.pack import BLOCK, word_layout
+from kvq_lab.quant.spec import QuantSpec
+
+
+class PackedStore:
+    """Quantized history of one `[B, H, T, D]` tensor, indexed by storage position t (0 = first quantized slot).
+
+    codes: uint8 [B, H, n_blocks * BLOCK * bits / 8, D] (`kvq_lab.quant.pack` layout), zero beyond what is written.
+    scale, zero: fp16 [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups).
+    Memory is allocated in whole blocks of BLOCK tokens (per-channel params: whole groups) as tokens arrive.
+    `backend` (`kvq_lab.cache.backends`) quantizes what is written and dequantizes what is read.
+    """
+
+    def __init__(self, spec: QuantSpec, backend):
+        self.spec = spec
+        self.backend = backend
+        self.codes: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.zero: torch.Tensor | None = None
+        self.length = 0  # storage positions written (the furthest row)
+        self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the stream at prefill
+        u, nb = word_layout(spec.bits)
+        self._m, self._nb = BLOCK // u, nb  # rows per plane, bytes per word
+
+    # -- growth ------------------------------------------------------------------------------------------------
+    def _reserve(self, n_tokens: int, like: torch.Tensor) -> None:
+        """Grow storage to hold positions [0, n_tokens) for all B rows (`like`: [B or fewer, H, *, D])."""
+        B, H, D = self.dims
+        G, bits = self.spec.group_size, self.spec.bits
+        blocks = -(-n_tokens // BLOCK)
+        rows = blocks * BLOCK * bits // 8
+        if self.codes is None:
+            self.codes = like.new_zeros(B, H, 0, D, dtype=torch.uint8)
+            p_last = D // G if self.spec.axis == "token" else D
+            self.scale = like.new_zeros(B, H, 0, p_last, dtype=torch.float16)
+            self.zero = self.scale.clone()
+        if rows > self.codes.shape[2]:
+            self.codes = torch.cat([self.codes, self.codes.new_zeros(B, H, rows - self.codes.shape[2], D)], 2)
+        n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
+        if n_par > self.scale.shape[2]:
+            extra = self.scale.new_zeros(B, H, n_par - self.scale.shape[2], self.scale.shape[3])
+            self.scale = torch.cat([self.scale, extra], 2)
+            self.zero = torch.cat([self.zero, extra], 2)
+
+    # -- write -------------------------------------------------------------------------------------------------
+    def write(self, x: torch.Tensor, t0: int, valid: torch.Tensor | None = None, rows: slice | None = None) -> None:
+        """Quantize x [b, H, n, D] and store it at positions [t0, t0 + n) of batch rows `rows` (default: all).
+
+        Per-channel groups need t0 and n to be multiples of G (groups are whole). `valid` [b, 1, n] excludes
+        positions from min/max (their codes are 0). The bits of [t0, t0 + n) must not have been written before:
+        codes are or-ed into zeroed storage, so older codes in a shared block are left exactly as they were.
+        """
+        n = x.shape[2]
+        if n == 0:
+            return
+        G = self.spec.group_size
+        if self.spec.axis == "channel" and (t0 % G or n % G):
+            raise ValueError(f"per-channel history is written in whole groups of {G}; got t0={t0}, n={n}")
+        rows = rows if rows is not None else slice(None)
+        self._reserve(t0 + n, x)
+        self.backend.write(self, x, t0, valid, rows)
+        self.length = max(self.length, t0 + n)
+
+    def put(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, t0: int, rows: slice) -> None:
+        """Store quantized positions [t0, t0 + n): codes uint8 [b, H, n, D] and their params in the reference's
+        layout (for backends that quantize outside the storage; `write` has reserved the room)."""
+        n, G = codes.shape[2], self.spec.group_size
+        if self.spec.axis == "token":
+            self.scale[rows, :, t0 : t0 + n] = scale
+            self.zero[rows, :, t0 : t0 + n] = zero
+        else:
+            self.scale[rows, :, t0 // G : (t0 + n) // G] = scale
+            self.zero[rows, :, t0 // G : (t0 + n) // G] = zero
+        self._or_codes(codes, t0, rows)
+
+    def _or_codes(self, codes: torch.Tensor, t0: int, rows: slice) -> None:
+        """Or codes [b, H, n, D] of positions t0.. into the packed storage (see the layout in `pack`)."""
+        bits, m, nb = self.spec.bits, self._m, self._nb
+        n = codes.shape[2]
+        dst = self.codes[rows]  # a view: rows is a slice
+        if n == 1:  # a decode step: one token, its bits of one word (nb bytes)
+            t = t0 % BLOCK
+            row = t0 // BLOCK * nb * m + t % m
+            w = codes.to(torch.int32) << (bits * (t // m))
+            for i in range(nb):
+                dst[:, :, row + i * m : row + i * m + 1] += ((w >> (8 * i)) & 0xFF).to(torch.uint8)
+            return
+        t = torch.arange(t0, t0 + n, device=codes.device)
+        k, r = (t % BLOCK) // m, (t % BLOCK) % m  # plane and row of each token within its block
+        base = t // BLOCK * (nb * m) + r
+        # each token owns bits [bits*k, bits*k + bits) of its word, zero until now: adding is an or
+        w = codes.to(torch.int32) << (k * bits).to(torch.int32).view(1, 1, n, 1)
+        for i in range(nb):
+            dst.index_add_(2, base + i * m, ((w >> (8 * i)) & 0xFF).to(torch.uint8))
+
+    # -- read --------------------------------------------------------------------------------------------------
+    def dequantize(self, n: int) -> torch.Tensor:
+        """fp32 [B, H, n, D]: code * scale + zero, the reference's arithmetic (two roundings, no fma)."""
+        if n == 0:
+            return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
+        return self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
+
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero))
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    """Bytes held by t (0 for None): the cache's byte accounting counts what is stored, as stored."""
+    return 0 if t is None else t.numel() * t.element_size()

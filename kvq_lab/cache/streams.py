@@ -1,0 +1,273 @@
+"""Streaming policies of the packed cache: which tokens of one tensor stay exact and when groups are quantized.
+
+Every stream follows one protocol (`Stream`), so the layer never asks which kind it holds:
+    prefill(x, pads)             the prompt, [B, H, N, D]; pads: left-padding positions p_b per row
+    step(x, N, pads, owns)       one decode token [B, H, 1, D] at absolute position N
+    n_quantized(N)               quantized history tokens (the furthest row)
+    materialize(N, sink, pads, rotate)   full [B, H, N, D]: sinks exact, history dequantized, window exact
+    view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (rows without padding)
+    nbytes()                     bytes held
+    quantized                    whether the stream stores codes (False: the exact 16-bit stream)
+
+`rotate(deq, abs_pos)` re-rotates dequantized pre-RoPE keys [B, H, n, D] at absolute positions [B, n] (keys with
+rope=pre; None otherwise). Sinks are the layer's; streams hold the tokens after them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kvq_lab.kernels.view import StreamView
+from kvq_lab.quant.pack import BLOCK
+from kvq_lab.quant.spec import QuantSpec
+
+from .store import PackedStore, tensor_bytes
+
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+class Stream(Protocol):
+    """One tensor's (keys' or values') storage policy after the sinks; see the module docstring."""
+
+    quantized: bool
+
+    def prefill(self, x: torch.Tensor, pads: list[int]) -> None: ...
+    def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None) -> None: ...
+    def n_quantized(self, N: int) -> int: ...
+    def materialize(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> torch.Tensor: ...
+    def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView: ...
+    def nbytes(self) -> int: ...
+
+
+def make_stream(spec: QuantSpec, residual_length: int, sink_tokens: int, backend) -> Stream:
+    """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill."""
+    if spec.is_identity:
+        return ExactStream()
+    cls = SlidingStream if spec.axis == "token" else FillStream
+    return cls(spec, residual_length, sink_tokens, backend)
+
+
+class _QuantizedStream(ABC):
+    """What the quantized policies share: a `PackedStore` of history, an fp window buffer, and assembly. A policy
+    adds `prefill`, `step`, `n_quantized` and `_slots` (where a padded row's positions are stored)."""
+
+    quantized = True
+
+    def __init__(self, spec: QuantSpec, S: int, backend):
+        self.spec, self.S = spec, S
+        self.store = PackedStore(spec, backend)
+        self.window: torch.Tensor | None = None
+
+    def _init_store(self, x: torch.Tensor) -> None:
+        B, H, _, D = x.shape
+        self.store.dims, self.store.device = (B, H, D), x.device
+
+    def slot_positions(self, q: int, pads: list[int], device) -> torch.Tensor:
+        """Absolute positions [B, q] of storage positions [0, q) (every row: S + t)."""
+        return torch.arange(self.S, self.S + q, device=device).expand(len(pads), q)
+
+    @abstractmethod
+    def n_quantized(self, N: int) -> int: ...
+
+    @abstractmethod
+    def _slots(self, a: torch.Tensor, j: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded batch: per absolute position a [B, N] (j: index among the row's real tokens), its storage
+        position and whether it is quantized history: ([B, N], [B, N] bool)."""
+
+    def history(self, q: int, pads: list[int], rotate: Rotate) -> torch.Tensor:
+        """fp32 [B, H, q, D]: storage positions [0, q) dequantized (and re-rotated with `rotate`)."""
+        deq = self.store.dequantize(q)
+        if rotate is not None and q:
+            deq = rotate(deq, self.slot_positions(q, pads, deq.device))
+        return deq
+
+    def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
+        q = self.n_quantized(N)
+        st = self.store
+        deq = self.history(q, pads, rotate) if rotate is not None and q else None
+        return StreamView(
+            sink, st.codes, st.scale, st.zero, q, self.window, max(0, N - self.S) - q,
+            self.spec.bits, self.spec.group_size, self.spec.axis, deq,
+        )  # fmt: skip
+
+    def materialize(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> torch.Tensor:
+        if not any(pads):  # every row has the same layout: plain slices
+            q = self.n_quantized(N)
+            w = max(0, N - self.S) - q
+            win = self.window[:, :, self.window.shape[2] - w :] if w else self.window[:, :, :0]
+            hist = self.history(q, pads, rotate)
+            return torch.cat([sink[:, :, : min(self.S, N)], hist.to(win.dtype), win], 2)
+        # padded batch: gather each row's sinks, history and window into absolute positions
+        S = self.S
+        B, H, _, D = sink.shape
+        dev = sink.device
+        a = torch.arange(N, device=dev).expand(B, N)
+        j = a - torch.tensor(pads, device=dev)[:, None]  # real-token index (negative: padding)
+        W = self.window.shape[2]
+        q = self.n_quantized(N)
+        hidx, in_hist = self._slots(a, j, N)
+        deq = self.history(q, pads, rotate)
+        src = torch.cat([sink, deq.to(self.window.dtype), self.window], 2)  # [B, H, S + q + W, D]
+        idx = torch.where(
+            j < S, j.clamp(min=0), torch.where(in_hist, S + hidx.clamp(0, max(q - 1, 0)), S + q + a - (N - W))
+        )
+        idx = torch.where(j < 0, 0, idx).clamp(0, src.shape[2] - 1)
+        return src.gather(2, idx[:, None, :, None].expand(B, H, N, D))
+
+    def nbytes(self) -> int:
+        return self.store.nbytes() + tensor_bytes(self.window)
+
+
+class SlidingStream(_QuantizedStream):
+    """Per-token groups: a sliding fp window of the last R positions; a position is quantized as it leaves.
+
+    Indexed by absolute position for every row: storage position t holds absolute position `S + t`
+    (S = sink_tokens). Positions that are padding or sinks for a row are stored as zero codes and never read.
+    window: [B, H, R, D], absolute positions [N - R, N) (zeros before position 0).
+
+    When a position leaves and its packing block has no codes yet, the whole block is quantized at once from the
+    window (the block's memory is allocated anyway): per-token quantization depends on the token alone, so the
+    codes are the same whenever they are computed, and positions still in the window are attended exactly
+    (their early codes are not read until they leave). One quantization per BLOCK steps instead of one per step.
+    """
+
+    def __init__(self, spec, R, S, backend):
+        super().__init__(spec, S, backend)
+        self.R = R
+        self.done = 0  # storage positions with codes (>= the quantized count: a block may be coded early)
+
+    def n_quantized(self, N: int) -> int:
+        return max(0, N - self.R - self.S)
+
+    def prefill(self, x: torch.Tensor, pads: list[int]) -> None:
+        """x [B, H, N, D]; pads: p_b per row. Quantizes positions [S, N - R)."""
+        self._init_store(x)
+        N = x.shape[2]
+        q = self.n_quantized(N)
+        if q:
+            self.store.write(x[:, :, self.S : self.S + q], 0, self._valid(0, q, pads, x.device))
+        self.done = q
+        self.window = _last(x, self.R)
+
+    def _valid(self, t0: int, n: int, pads: list[int], device) -> torch.Tensor | None:
+        """[B, 1, n] bool: storage positions [t0, t0 + n) that are history of each row (None: all rows, all)."""
+        if not any(pads):
+            return None
+        a = torch.arange(self.S + t0, self.S + t0 + n, device=device)
+        return (a >= torch.tensor(pads, device=device)[:, None] + self.S)[:, None, :]
+
+    def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None = None) -> None:
+        """Append x [B, H, 1, D] at absolute position N (pads: p_b per row; owns: unused, rows share positions)."""
+        both = torch.cat([self.window, x], 2) if self.R else x  # absolute positions [N - R, N]
+        t = N - self.R - self.S  # storage position of the token leaving the window
+        if t >= self.done:
+            k = min(BLOCK - t % BLOCK, self.R + 1)  # up to the end of its block, from what has arrived
+            self.store.write(both[:, :, :k], t, self._valid(t, k, pads, x.device))
+            self.done = t + k
+        if self.R:
+            self.window = both[:, :, 1:]
+
+    def _slots(self, a, j, N):
+        return a - self.S, a < N - self.R
+
+
+class FillStream(_QuantizedStream):
+    """Per-channel groups: an fp window fills to Rp = R (or G when R = 0) tokens, then is quantized at once.
+
+    Indexed per row by real non-sink token: storage position i of row b holds absolute position p_b + S + i,
+    so groups align on each row's own tokens. q[b] tokens quantized, w[b] in the window.
+    window: [B, H, Rp, D], absolute positions [N - Rp, N); row b's window is its last w[b] entries.
+    """
+
+    def __init__(self, spec, R, S, backend):
+        super().__init__(spec, S, backend)
+        self.Rp = R if R else spec.group_size
+        self.q: list[int] = []
+        self.w: list[int] = []
+
+    def n_quantized(self, N: int) -> int:
+        return max(self.q) if self.q else 0
+
+    def prefill(self, x: torch.Tensor, pads: list[int]) -> None:
+        """x [B, H, N, D]; pads: p_b per row (padding positions first)."""
+        self._init_store(x)
+        B, H, N, D = x.shape
+        S, Rp = self.S, self.Rp
+        ell = [max(0, N - p - S) for p in pads]  # non-sink real tokens per row
+        f = [e // Rp * Rp for e in ell]  # quantized now: whole windows
+        self.q, self.w = f, [e - k for e, k in zip(ell, f, strict=True)]
+        if max(f) and all(p == pads[0] for p in pads):
+            s0 = pads[0] + S
+            self.store.write(x[:, :, s0 : s0 + f[0]], 0)
+        else:
+            for b, (p, k) in enumerate(zip(pads, f, strict=True)):  # ragged rows: one write per row (prefill only)
+                if k:
+                    self.store.write(x[b : b + 1, :, p + S : p + S + k], 0, rows=slice(b, b + 1))
+        self.window = _last(x, Rp)
+
+    def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None) -> None:
+        """Append x [B, H, 1, D]; owns[b]: the token is a real non-sink token of row b (None: every row)."""
+        self.window = torch.cat([self.window, x], 2)[:, :, 1:]
+        for b in range(len(self.w)):
+            self.w[b] += 1 if owns is None else owns[b]
+        full = [b for b, w in enumerate(self.w) if w == self.Rp]
+        if not full:
+            return
+        if len(full) == len(self.w) and all(k == self.q[0] for k in self.q):
+            self.store.write(self.window, self.q[0])
+        else:
+            for b in full:  # rows flush at different steps in a ragged batch: once per Rp steps per row
+                self.store.write(self.window[b : b + 1], self.q[b], rows=slice(b, b + 1))
+        for b in full:
+            self.q[b] += self.Rp
+            self.w[b] = 0
+
+    def slot_positions(self, q, pads, device):
+        """Row b's storage position t is absolute position p_b + S + t."""
+        return torch.tensor(pads, device=device)[:, None] + self.S + torch.arange(q, device=device)
+
+    def _slots(self, a, j, N):
+        hidx = j - self.S
+        return hidx, hidx < torch.tensor(self.q, device=a.device)[:, None]
+
+
+class ExactStream:
+    """16 bits: the tensor is kept as it is, sinks included (DynamicCache's behaviour, bit for bit)."""
+
+    quantized = False
+
+    def __init__(self):
+        self.x: torch.Tensor | None = None
+
+    def append(self, x: torch.Tensor) -> None:
+        """x [B, H, n, D], any n."""
+        self.x = x if self.x is None else torch.cat([self.x, x], 2)
+
+    def prefill(self, x, pads):
+        self.append(x)
+
+    def step(self, x, N, pads, owns):
+        self.append(x)
+
+    def n_quantized(self, N: int) -> int:
+        return 0
+
+    def materialize(self, N, sink, pads, rotate):
+        return self.x
+
+    def view(self, N, sink, pads, rotate):
+        raise TypeError("an exact (16-bit) stream stores no codes: attention reads it materialized")
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.x)
+
+
+def _last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The last n positions of x [B, H, N, D], zero-padded on the left when N < n."""
+    N = x.shape[2]
+    return x[:, :, N - n :].clone() if N >= n else F.pad(x, (0, 0, n - N, 0))

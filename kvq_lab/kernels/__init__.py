@@ -1,0 +1,11 @@
+"""Kernels: plain tensors in, plain tensors out. Below the cache, above the quantizer (`kvq_lab.quant`).
+
+- `view`: what every decode-attention kernel reads, one step's packed K/V as plain tensors (`DecodeView`).
+- `torch_path`: the pure-PyTorch implementations (decode attention, whole-group quantization, dequantization):
+  the specification the other kernels are tested against.
+- `cpu_kernel`: decode attention as one native call (C, built on first use, loaded with ctypes).
+- `triton_kernels`: quantize+pack, unpack+dequantize and fused decode attention (imported only when chosen).
+- `workspace`: reused scratch buffers and small constants.
+
+Nothing here imports `kvq_lab.cache`: the cache builds the views and chooses the kernel (`kvq_lab.cache.backends`).
+"""

@@ -1,0 +1,115 @@
+"""The pure-PyTorch path (`backend=torch`): whole-group quantization, dequantization of packed storage, and decode
+attention over a `DecodeView`. The specification the C and Triton kernels are tested against; the quantization
+and dequantization are themselves bit for bit `kvq_lab.quant.reference` (tested)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvq_lab.quant.pack import BLOCK, plane_shifts, unpack, word_layout
+from kvq_lab.quant.spec import QuantSpec
+
+from .view import DecodeView, StreamView
+from .workspace import const, workspace
+
+
+def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
+    """`reference.quantize` for x [B, H, T, D] made of whole groups and no padding, in fewer ops (decode steps).
+
+    Bit for bit the reference's arithmetic (tested): same min/max, outward fp16 rounding, IEEE division, round
+    half to even. A zero-width group divides 0 by a tiny positive number instead of selecting 0: same code, 0.
+    Returns codes uint8 [B, H, T, D] and fp16 scale, zero in the reference's parameter layout.
+    """
+    B, H, T, D = x.shape
+    G, L = spec.group_size, spec.levels
+    xf = x.float()
+    g = xf.view(B, H, T, D // G, G) if spec.axis == "token" else xf.view(B, H, T // G, G, D).transpose(-1, -2)
+    mn, mx = torch.aminmax(g, dim=-1)
+    neg = const("-inf16", x.device, lambda: torch.tensor(float("-inf"), dtype=torch.float16))
+    pos = const("+inf16", x.device, lambda: torch.tensor(float("inf"), dtype=torch.float16))
+    zero = mn.half()
+    zero = torch.where(zero.float() > mn, zero.nextafter(neg), zero)  # fp16, rounded down
+    z = zero.float()
+    want = (mx - z) / L
+    scale = want.half()
+    scale = torch.where(scale.float() < want, scale.nextafter(pos), scale)  # fp16, rounded up
+    s = scale.float().clamp_min(1e-38)
+    codes = torch.round((g - z.unsqueeze(-1)) / s.unsqueeze(-1)).clamp_(0, L).to(torch.uint8)
+    if spec.axis == "token":
+        return codes.view(B, H, T, D), scale, zero
+    return codes.transpose(-1, -2).reshape(B, H, T, D), scale, zero
+
+
+def unpack_dequantize(packed, scale, zero, spec: QuantSpec, n: int) -> torch.Tensor:
+    """fp32 [B, H, n, D] = code * scale + zero of storage positions [0, n) of packed uint8 [B, H, rows, D] and its
+    fp16 params (the reference's `dequantize`: two roundings, no fma)."""
+    B, H, _, D = packed.shape
+    G = spec.group_size
+    c = unpack(packed[:, :, : -(-n // BLOCK) * BLOCK * spec.bits // 8], spec.bits)[:, :, :n].float()
+    if spec.axis == "token":
+        x = c.view(B, H, n, D // G, G) * scale[:, :, :n, :, None].float() + zero[:, :, :n, :, None].float()
+    else:
+        s, z = scale[:, :, : n // G].float(), zero[:, :, : n // G].float()
+        x = c.view(B, H, n // G, G, D) * s[:, :, :, None, :] + z[:, :, :, None, :]
+    return x.view(B, H, n, D)
+
+
+def decode_attention_torch(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
+    """One decode step's attention over packed K/V (no padding).
+
+    query [B, Hq, 1, D] (post-RoPE) -> output [B, 1, Hq, D] in query's dtype (the layout `sdpa_attention_forward`
+    returns); mask: SDPA's, over >= N positions (the last N are used), or None. K and V are assembled for this step
+    only, each in a reused fp32 workspace (sinks and window copied, history unpacked into a reused uint8 workspace
+    and dequantized in place with the reference's arithmetic), then one SDPA call with grouped query heads (GQA
+    without repeating K/V). No decode step allocates anything of the cache's size: fresh multi-MB buffers cost
+    more in page faults than the arithmetic that fills them.
+    """
+    k = _assemble(view.keys, view.N, view.sink_tokens, "k")  # [B, Hkv, N, D] fp32
+    v = _assemble(view.values, view.N, view.sink_tokens, "v")
+    if mask is not None:
+        mask = mask[..., -view.N :]
+    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).to(query.dtype)
+
+
+def _codes_into(sv: StreamView, name: str) -> torch.Tensor:
+    """uint8 codes [B, H, n', D] (n' >= n, whole blocks) of storage positions [0, n), unpacked into a workspace."""
+    bits, n = sv.bits, sv.n
+    u, nb = word_layout(bits)
+    nblk = -(-n // BLOCK)
+    if nb != 1:  # 3-bit words span 3 bytes: the general unpack (allocates)
+        return unpack(sv.codes[:, :, : nblk * BLOCK * bits // 8], bits)
+    B, H, _, D = sv.codes.shape
+    m = BLOCK // u  # rows per plane
+    packed = sv.codes[:, :, : nblk * m].view(B, H, nblk, 1, m, D)
+    out = workspace(name + "codes", B * H * nblk * BLOCK * D, packed.device, torch.uint8)
+    out = out.view(B, H, nblk, u, m, D)
+    torch.bitwise_right_shift(packed, plane_shifts(bits, torch.uint8, packed.device), out=out)
+    return out.bitwise_and_((1 << bits) - 1).view(B, H, nblk * BLOCK, D)
+
+
+def _assemble(sv: StreamView, N: int, S: int, name: str) -> torch.Tensor:
+    """fp32 [B, H, N, D] of one stream for this step: sinks | dequantized history | window."""
+    B, H, _, D = sv.sink.shape
+    s, n, w = min(S, N), sv.n, sv.w
+    out = workspace(name, B * H * N * D, sv.sink.device).view(B, H, N, D)
+    if s:
+        out[:, :, :s] = sv.sink[:, :, :s]
+    if n:
+        if sv.history is not None:  # rope=pre keys, dequantized and re-rotated by the cache
+            out[:, :, s : s + n] = sv.history
+        else:
+            G = sv.group_size
+            if sv.axis == "token":  # params [B, H, n, D/G] broadcast over each group's channels
+                shape = (B, H, n, D // G, G)
+                sc, z = sv.scale[:, :, :n, :, None], sv.zero[:, :, :n, :, None]
+            else:  # params [B, H, n/G, D] broadcast over each group's tokens
+                shape = (B, H, n // G, G, D)
+                sc, z = sv.scale[:, :, : n // G, None, :], sv.zero[:, :, : n // G, None, :]
+            # code -> fp32 in place, then * scale, + zero: the reference's two roundings, no intermediate buffer
+            dst = out[:, :, s : s + n].view(shape)
+            dst.copy_(_codes_into(sv, name)[:, :, :n].view(shape)).mul_(sc.float()).add_(z.float())
+    if w:
+        out[:, :, N - w :] = sv.window[:, :, sv.window.shape[2] - w :]
+    return out

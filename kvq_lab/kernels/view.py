@@ -1,0 +1,65 @@
+"""What the decode-attention kernels read: one decode step's packed K/V as plain tensors, no cache objects.
+
+The cache builds a `DecodeView` from its layer at each fused decode step (`PackedLayer.decode_view`); every decode
+attention here (`torch_path.decode_attention_torch`, `cpu_kernel.decode_attention`,
+`triton_kernels.decode_attention`) takes that view and the query, and nothing else of the cache.
+
+Positions of one tensor (keys or values) of a batch without padding, with S = `sink_tokens` and s = min(S, N):
+
+    [0, s)          sinks, exact                       `StreamView.sink`
+    [S, S + n)      quantized history (codes + params)  `StreamView.codes/scale/zero`, storage positions [0, n)
+    [N - w, N)      the full-precision window           the last w rows of `StreamView.window`
+
+Every position is in exactly one segment. Keys and values split differently (their windows differ).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class StreamView(NamedTuple):
+    """One tensor's stored segments (keys or values of one layer), as the cache holds them.
+
+    sink: [B, H, >= s, D] exact tokens; the first s rows are attended.
+    codes: uint8 [B, H, rows, D] bit-packed along tokens (`kvq_lab.quant.pack` layout), or None (nothing quantized).
+    scale, zero: fp16 [B, H, T, D/G] (axis `token`) or [B, H, T/G, D] (axis `channel`); None with codes.
+    n: quantized history tokens (storage positions [0, n)).
+    window: [B, H, W, D] full-precision buffer (W >= w); its last w rows are the window's tokens.
+    w: window tokens.
+    bits, group_size, axis: the code layout; `axis` is the grouping axis, "token" or "channel".
+    history: fp32 [B, H, n, D], the history already dequantized (pre-RoPE keys re-rotated at their positions), or
+        None. Only the PyTorch path reads it; kernels that read codes refuse a view that carries it.
+    """
+
+    sink: torch.Tensor
+    codes: torch.Tensor | None
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    n: int
+    window: torch.Tensor
+    w: int
+    bits: int
+    group_size: int
+    axis: str
+    history: torch.Tensor | None = None
+
+
+class DecodeView(NamedTuple):
+    """One layer's packed K/V at a decode step: N cached tokens, S = `sink_tokens` (history starts at S)."""
+
+    keys: StreamView
+    values: StreamView
+    N: int
+    sink_tokens: int
+
+
+def check_codes_only(view: DecodeView, kernel: str) -> None:
+    """Kernels that read codes cannot apply a pre-dequantized history (rope=pre keys): fail rather than ignore it."""
+    if view.keys.history is not None or view.values.history is not None:
+        raise ValueError(
+            f"{kernel} reads the packed codes; this view carries a dequantized history (rope=pre keys): "
+            "use torch_path.decode_attention_torch"
+        )

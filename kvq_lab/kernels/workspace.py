@@ -1,0 +1,27 @@
+"""Reused scratch memory for decode steps, and small constants built once per device."""
+
+from __future__ import annotations
+
+import torch
+
+_WORKSPACE: dict = {}
+_CONST: dict = {}
+
+
+def workspace(name: str, numel: int, device, dtype=torch.float32) -> torch.Tensor:
+    """A flat scratch buffer [numel] reused by every layer and step (decode working memory, not cache storage: one
+    layer's K or V at a time, overwritten by the next layer; reusing it spares a fresh multi-MB allocation, and its
+    page faults, per layer per step). Grows by doubling; callers own it until their next call with the same name."""
+    buf = _WORKSPACE.get((name, device, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device, dtype=dtype)
+        _WORKSPACE[(name, device, dtype)] = buf
+    return buf[:numel]
+
+
+def const(name: str, device, make) -> torch.Tensor:
+    """Small constant tensors, built once per device by `make()` (avoids an allocation per decode step)."""
+    key = (name, device)
+    if key not in _CONST:
+        _CONST[key] = make().to(device)
+    return _CONST[key]
