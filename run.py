@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kvq_lab.runner import RunFailed, run
+    from kvq_lab.runner import RunFailed, RunInterrupted, run
 
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
     for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
@@ -45,7 +45,13 @@ def main(cfg: DictConfig) -> float | None:
         if not multirun:  # a sweep goes on; its failed row has a record saying why
             sys.exit(1)
         return None
-    # the first metric is the sweep objective, for Hydra sweepers that optimise one
+    except RunInterrupted as e:  # SIGINT/SIGTERM: this row's record says so; a sweep stops here
+        where = f" after {e.progress}" if e.progress else ""
+        rec = f" (record: {e.record})" if e.record else ""
+        print(f"interrupted: {e.signame}{where}; stopping{rec}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    # the first metric is the sweep objective, for Hydra sweepers that optimise one (none: another process has
+    # this row's claim)
     return next((v for v in metrics.values() if isinstance(v, float)), None)
 
 

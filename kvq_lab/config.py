@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvq_lab.cache.config import BACKENDS, MODES, ROPE, CacheConfig
+from kvq_lab.errors import ConfigError
 from kvq_lab.quant.spec import AXES, BITS, QuantConfigError, QuantSpec
 
-
-class ConfigError(QuantConfigError):
-    """A run setting is invalid. Raised before any model load; run.py prints it as one line and exits 2."""
+__all__ = ["ConfigError", "RunPlan", "RunSchema", "cache_config", "config_hash", "register_schema", "validate"]
 
 
 @dataclass
@@ -49,6 +49,7 @@ class RunSchema:
     data_dir: Any = None
     run_name: Any = None
     resume: Any = True
+    resume_dirty: Any = False  # also reuse records made from a git tree with uncommitted changes
     device: Any = "cpu"
     experiment_name: Any = None
     model: dict[str, Any] = field(default_factory=dict)
@@ -119,7 +120,11 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
 
 @dataclass
 class RunPlan:
-    """A validated run: what to build, where to write."""
+    """A validated run: what to build, where to write, and what its numbers are computed from.
+
+    config_hash: the resolved config (cache knobs replaced by the cache they build); inputs: identities of the data
+    files, the model, the package sources and the libraries; run_key: both hashed together (the resume key).
+    """
 
     cache: CacheConfig
     task: str
@@ -128,6 +133,8 @@ class RunPlan:
     data_dir: Path | None
     limit: int | None
     config_hash: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+    run_key: str = ""
 
 
 def data_dir(cfg: DictConfig) -> Path | None:
@@ -138,6 +145,124 @@ def data_dir(cfg: DictConfig) -> Path | None:
     if not p.is_dir():
         raise ConfigError(f"data_dir={str(d)!r} is not a folder; point data_dir= or KVQ_DATA_DIR at the data folder")
     return p.resolve()
+
+
+def _bool(cfg, key: str) -> bool:
+    v = cfg.get(key)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}={v!r} must be true or false")
+    return v
+
+
+MODEL_KEYS = ("name", "path", "dtype", "head_dim", "revision")
+LOGGER_KEYS = {"wandb": ("name", "project", "entity", "mode", "group"), "none": ("name",)}
+WANDB_MODES = (None, "offline", "online", "disabled")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _check_keys(section: str, d, allowed) -> None:
+    unknown = sorted(set(d.keys()) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{section}.{unknown[0]} is not a setting of {section}; allowed: {', '.join(allowed)}")
+
+
+def check_model(cfg: DictConfig) -> str:
+    """The model to load (registry name, hub id, folder or GGUF file), checked without loading anything."""
+    from kvq_lab.models import DTYPES, resolve
+
+    _check_keys("model", cfg.model, MODEL_KEYS)
+    if OmegaConf.is_missing(cfg.model, "path"):
+        raise ConfigError(
+            f"model={cfg.model.get('name')} needs model.path=<hub id, local folder or .gguf file>, "
+            "e.g. model=hub model.path=HuggingFaceTB/SmolLM2-135M-Instruct"
+        )
+    model = cfg.model.get("path") or cfg.model.get("name")
+    if not model or not isinstance(model, str):
+        raise ConfigError("model.path is empty; use model=<name> (see conf/model/) or model.path=<hub id or folder>")
+    if cfg.model.get("dtype", "float32") not in DTYPES:
+        raise ConfigError(f"model.dtype={cfg.model.get('dtype')!r}; choose one of: {', '.join(DTYPES)}")
+    try:
+        src = resolve(model)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    p = Path(src).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.path={model!r} is a folder without config.json; give a saved model folder")
+    elif p.is_file():
+        with p.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ConfigError(
+                f"model.path={model!r} is a file but not a GGUF model; give a model folder, a .gguf file or a hub id"
+            )
+    elif str(model).startswith((".", "/", "~")):
+        raise ConfigError(f"model.path={model!r} does not exist; give an existing folder, a .gguf file or a hub id")
+    elif not HUB_ID.match(str(model)):
+        raise ConfigError(
+            f"model.path={model!r} is neither an existing local path nor a hub id (org/name); check the spelling"
+        )
+    return model
+
+
+def check_device(cfg: DictConfig, cache: CacheConfig) -> None:
+    """The device and the packed-mode backend exist on this machine (checked before the model loads)."""
+    device = cfg.get("device")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"device={device!r} is not supported; choose cpu, cuda or cuda:<index>")
+    cuda = False
+    if device.startswith("cuda") or cache.backend == "triton":
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if device.startswith("cuda"):
+            n = torch.cuda.device_count() if cuda else 0
+            index = int(device.split(":")[1]) if ":" in device else 0
+            if index >= n:
+                raise ConfigError(f"device={device}: this machine has {n} CUDA device(s); use device=cpu")
+    if cache.mode == "packed" and cache.backend == "triton" and not device.startswith("cuda"):
+        if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs Triton on CPU tensors (tests only)
+            raise ConfigError(
+                f"backend=triton runs on a GPU (device=cuda){'' if cuda else '; this machine has none'}: "
+                "use backend=cpu or backend=torch, or device=cuda"
+            )
+    if cache.mode == "packed" and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
+        from kvq_lab.kernels.cpu_kernel import build_error
+
+        err = build_error()
+        if err is not None:
+            raise ConfigError(f"backend=cpu: {err.splitlines()[0]}")
+
+
+def check_paths(cfg: DictConfig) -> Path:
+    """results_dir and run_name can be made into folders here (nothing is created yet)."""
+    rd = cfg.get("results_dir")
+    if not isinstance(rd, str) or not rd.strip():
+        raise ConfigError(f"results_dir={rd!r} must be a folder path, e.g. results_dir=results")
+    p = Path(rd).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"results_dir={rd!r} exists and is not a folder; choose another results_dir")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"results_dir={rd!r}: {probe} is not a writable folder; choose another results_dir")
+    name = cfg.get("run_name")
+    if name is not None:
+        if (
+            not isinstance(name, str)
+            or not name.strip()
+            or name in (".", "..")
+            or any(c in name for c in "/\\\0")
+            or len(name.encode()) > 200
+        ):
+            raise ConfigError(
+                f"run_name={name!r} cannot be a folder name; use letters, digits, '-', '_' or '.' (at most 200 bytes)"
+            )
+    exp = cfg.get("experiment_name")
+    if exp is not None and (not isinstance(exp, str) or not re.fullmatch(r"[\w.-]+", exp)):
+        raise ConfigError(f"experiment_name={exp!r} must be a plain name (letters, digits, '-', '_', '.')")
+    return p
 
 
 # knobs that only build the cache: hashed through the CacheConfig they make, so `bits=2` and
@@ -161,7 +286,8 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
     """Hash of what determines a run's result: everything except where it is written and how it is logged,
     with the cache knobs replaced by the cache they describe."""
     c = OmegaConf.to_container(cfg, resolve=True)
-    for k in ("results_dir", "run_name", "logger", "resume", "experiment_name", "data_dir", *CACHE_KNOBS):
+    where = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
+    for k in (*where, *CACHE_KNOBS):
         c.pop(k, None)
     c["cache"] = asdict(cache if cache is not None else cache_config(cfg))
     if not cfg.get("probe"):
@@ -170,23 +296,27 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
 
 
 def validate(cfg: DictConfig) -> RunPlan:
-    """Check every knob and the task's inputs; no model is loaded. Raises ConfigError."""
-    from kvq_lab.models import resolve
-    from kvq_lab.tasks import TASKS
+    """Check every knob and the task's inputs; no model is loaded. Raises ConfigError (one line, with the fix)."""
+    from kvq_lab.plugins import TASKS
+    from kvq_lab.provenance import code_version, library_versions, model_identity, run_key
 
+    unknown = sorted(set(cfg.keys()) - set(RunSchema.__dataclass_fields__) - {"hydra"})
+    if unknown:  # `+key=value` slips past Hydra's struct check; a typo must not change the run silently
+        raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
     cache = cache_config(cfg)
-    if cache.mode == "packed" and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
-        from kvq_lab.kernels.cpu_kernel import build_error
-
-        err = build_error()
-        if err is not None:
-            raise ConfigError(f"backend=cpu: {err.splitlines()[0]}")
     for key in ("limit",):
         _int(cfg, key, lo=1, allow_none=True)
     _int(cfg, "seed", lo=0)
     _int(cfg, "batch_size", lo=1)
-    if not isinstance(cfg.get("probe"), bool):
-        raise ConfigError(f"probe={cfg.get('probe')!r} must be true or false")
+    for key in ("probe", "resume", "resume_dirty"):
+        _bool(cfg, key)
+    results_dir = check_paths(cfg)
+    logger = cfg.logger.get("name")
+    if logger not in LOGGER_KEYS:
+        raise ConfigError(f"logger={logger!r} is not a logger; choose one of: {', '.join(LOGGER_KEYS)}")
+    _check_keys("logger", cfg.logger, LOGGER_KEYS[logger])
+    if logger == "wandb" and cfg.logger.get("mode") not in WANDB_MODES:
+        raise ConfigError(f"logger.mode={cfg.logger.get('mode')!r}; choose offline, online or disabled")
     if cfg.probe:  # the probes' own settings, checked now rather than after a task has run
         from kvq_lab.probes.settings import ProbeSettings
 
@@ -197,33 +327,32 @@ def validate(cfg: DictConfig) -> RunPlan:
     task_name = cfg.task.get("name")
     if task_name not in TASKS:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
-    model = cfg.model.get("path") or cfg.model.get("name")
-    if not model:
-        raise ConfigError("model.path is empty; use model=<name> (see conf/model/) or model.path=<hub id or folder>")
-    if str(model).startswith((".", "/", "~")) and not Path(model).expanduser().exists():
-        raise ConfigError(f"model.path={model!r} does not exist; give an existing folder, a .gguf file or a hub id")
-    from kvq_lab.models import DTYPES
-
-    if cfg.model.get("dtype", "float32") not in DTYPES:
-        raise ConfigError(f"model.dtype={cfg.model.get('dtype')!r}; choose one of: {', '.join(DTYPES)}")
-    try:
-        resolve(str(model))
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+    model = check_model(cfg)
     head_dim = cfg.model.get("head_dim")
     if head_dim:  # known without loading the model: check group tiling now
         try:
             cache.check_head_dim(int(head_dim))
         except QuantConfigError as e:
             raise ConfigError(str(e)) from None
+    check_device(cfg, cache)
     ddir = data_dir(cfg)
-    TASKS[task_name].check(cfg, ddir)
+    task = TASKS[task_name]
+    task.check(cfg, ddir)
+    h = config_hash(cfg, cache)
+    inputs = {
+        "data": task.inputs(cfg, ddir),
+        "model": model_identity(model, cfg.model.get("revision")),
+        "code": code_version(),
+        "libraries": library_versions(),
+    }
     return RunPlan(
         cache=cache,
         task=task_name,
-        model=str(model),
-        results_dir=Path(cfg.results_dir),
+        model=model,
+        results_dir=results_dir,
         data_dir=ddir,
         limit=cfg.get("limit"),
-        config_hash=config_hash(cfg, cache),
+        config_hash=h,
+        inputs=inputs,
+        run_key=run_key(h, inputs),
     )

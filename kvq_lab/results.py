@@ -1,13 +1,21 @@
 """Run records: one immutable `record.json` per run, a summary over all runs, and the W&B mirror.
 
 Layout: `<results_dir>/runs/<run name>/record.json` (+ any artifacts the task wrote beside it). A record holds
-`config` (resolved), `config_hash`, `metrics` (flat, e.g. `coqa_turns/f1`), `env` (versions, git hash,
-device), `timings` and `status` (`ok` | `failed`, with `error`). Records are written atomically (temp file +
-rename) and a run never reuses another run's folder.
+`config` (resolved), `config_hash`, `inputs` (content hashes of the data, model, code and library versions the
+numbers come from), `run_key` (the resume key over both), `metrics` (flat, e.g. `coqa_turns/f1`), `env` (versions,
+git hash, device, host, pid), `timings` and `status`: `running` | `ok` | `failed` (with `error`) | `interrupted`
+(with the signal and the progress reached) | `died` (found `running` after its process was gone). Records are
+written atomically (temp file + rename) and a run never reuses another run's folder.
+
+Claims: while a run is under way it holds an exclusive lock (`flock`) on `<results_dir>/claims/<run_key>.lock`,
+which names its host and PID; a second process asking for the same row is told who runs it and skips it. The
+kernel drops the lock when its holder exits or dies, so a claim left behind by a killed run is simply taken over.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import platform
@@ -54,6 +62,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "device": device if device != "cuda" else torch.cuda.get_device_name(0),
         "torch_threads": torch.get_num_threads(),
         "host": platform.node(),
+        "pid": os.getpid(),
         "platform": platform.platform(),
     }
 
@@ -110,10 +119,94 @@ def load_records(results_dir: Path) -> list[dict]:
     return out
 
 
-def find_completed(results_dir: Path, config_hash: str) -> dict | None:
-    """The newest successful record with this config hash, if any (used to skip finished sweep rows)."""
-    done = [r for r in load_records(results_dir) if r.get("config_hash") == config_hash and r.get("status") == "ok"]
-    return done[-1] if done else None
+def is_dirty(rec: dict) -> bool:
+    return str(rec.get("env", {}).get("git", "")).endswith("-dirty")
+
+
+def find_completed(results_dir: Path, run_key: str, allow_dirty: bool = False) -> tuple[dict | None, list[dict]]:
+    """-> (the newest successful record with this run key, or None; the successful ones passed over because they
+    were made from a dirty git tree and `allow_dirty` is false). Records of the same key still marked `running`
+    are stale when this is called under the row's claim: they are marked `died` on the way."""
+    mine = [r for r in load_records(results_dir) if r.get("run_key") == run_key]
+    for r in mine:
+        if r.get("status") == "running":
+            mark_died(r)
+    ok = [r for r in mine if r.get("status") == "ok"]
+    usable = [r for r in ok if allow_dirty or not is_dirty(r)]
+    return (usable[-1] if usable else None), [r for r in ok if r not in usable]
+
+
+def mark_died(rec: dict) -> None:
+    """A `running` record whose process is gone (its row's claim was free): say so, keep everything else."""
+    path = Path(rec["_path"]) / RECORD
+    body = {k: v for k, v in rec.items() if k != "_path"}
+    body.update(status="died", died_noticed=datetime.now().isoformat(timespec="seconds"))
+    try:
+        write_json_atomic(path, body)
+        rec["status"] = "died"
+    except OSError:
+        pass  # a read-only results folder: the record stays as it was, the row reruns all the same
+
+
+class Claim:
+    """An exclusive claim on one row (run key) of a results folder; see the module docstring.
+
+    `Claim.acquire(results_dir, key)` -> a held Claim, or None when another live process holds it (`holder` then
+    tells who). Use as a context manager or call `release()`."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    @staticmethod
+    def holder(results_dir: Path, key: str) -> str:
+        try:
+            info = json.loads((Path(results_dir) / "claims" / f"{key}.lock").read_text() or "{}")
+        except (OSError, ValueError):
+            return "another process"
+        return f"pid {info.get('pid')} on host {info.get('host')} (since {info.get('since')})"
+
+    @classmethod
+    def acquire(cls, results_dir: Path, key: str, run_dir: str | None = None) -> Claim | None:
+        d = Path(results_dir) / "claims"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"{key}.lock"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    return None
+                raise
+            # the holder before us may have released and unlinked the file between our open and our lock: then
+            # we locked an orphaned inode, and must lock the file that is at the path now
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        info = {"host": platform.node(), "pid": os.getpid(), "since": datetime.now().isoformat(timespec="seconds")}
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps(info).encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked: nobody can hold the claim we remove
+        finally:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 class Timer:
@@ -132,7 +225,10 @@ class Timer:
 
 
 class WandbMirror:
-    """Mirror of a run in W&B; offline unless `mode` says otherwise. Never the only copy: record.json is."""
+    """Mirror of a run in W&B; offline unless `mode` says otherwise. Never the only copy: record.json is.
+
+    The runner opens it only once the run has ended (it logs final metrics, tables and figures), so W&B's service
+    process lives for seconds, and a run killed mid-way leaves none behind."""
 
     def __init__(self, logger_cfg: dict, run_name: str, config: dict, run_dir: Path, group: str | None = None):
         import wandb

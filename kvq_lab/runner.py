@@ -1,6 +1,8 @@
 """`run(cfg) -> metrics`: the whole pipeline for one config, as a plain function (run.py and tests call it).
 
-config -> validate (no model yet) -> skip if already done -> model -> cache factory -> task -> record + W&B.
+config -> validate (no model yet) -> claim the row -> skip if already done -> model -> cache factory -> task ->
+record + W&B. SIGINT/SIGTERM during a run mark its record `interrupted` (with the progress reached) and raise
+`RunInterrupted`; run.py turns that into one line and stops (a sweep stops at the current row).
 """
 
 from __future__ import annotations
@@ -9,14 +11,28 @@ import logging
 import math
 import os
 import random
+import signal
+import threading
 import traceback
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from kvq_lab.config import ConfigError, RunPlan, validate
-from kvq_lab.results import RECORD, Timer, WandbMirror, environment, find_completed, new_run_dir, write_json_atomic
+from kvq_lab.results import (
+    RECORD,
+    Claim,
+    Timer,
+    WandbMirror,
+    environment,
+    find_completed,
+    new_run_dir,
+    write_json_atomic,
+)
 
 log = logging.getLogger("kvq_lab")
 
@@ -58,20 +74,73 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+class RunFailed(RuntimeError):
+    """A run failed after validation; its record (status `failed`) says why."""
+
+
+class RecordNotWritten(RunFailed):
+    """The run finished but its record could not be written; the metrics were printed with the reason."""
+
+
+class RunInterrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt: not an Exception, so nothing swallows it)
+    """SIGINT or SIGTERM arrived during a run; its record says `interrupted` (`record` is the record's path)."""
+
+    def __init__(self, signame: str, record: Path | None = None, progress: str = ""):
+        super().__init__(signame)
+        self.signame, self.record, self.progress = signame, record, progress
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(getattr(signal, self.signame, signal.SIGINT))
+
+
+@contextmanager
+def _signals_raise():
+    """Within the block, SIGINT and SIGTERM raise RunInterrupted (main thread only: elsewhere Python cannot)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise RunInterrupted(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Run one config. Raises ConfigError on bad input (before loading anything). A failure inside the run is
-    recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on."""
-    from kvq_lab.tasks import TASKS, TaskContext
-
+    recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on; SIGINT/SIGTERM
+    are recorded (status `interrupted`) and re-raised as RunInterrupted. Returns {} when another process holds
+    this row's claim (it is being run right now)."""
     plan = validate(cfg)
-    if cfg.get("resume", True):
-        done = find_completed(plan.results_dir, plan.config_hash)
-        if done is not None:
-            log.info(
-                "already done (config %s): %s; skipping (resume=false runs it again)", plan.config_hash, done["_path"]
-            )
-            print(f"skip: a completed record for this config exists: {done['_path']}")
-            return done["metrics"]
+    with _signals_raise():
+        claim = Claim.acquire(plan.results_dir, plan.run_key)
+        if claim is None:
+            print(f"skip: this row is being run now by {Claim.holder(plan.results_dir, plan.run_key)}")
+            return {}
+        with claim:
+            if cfg.get("resume", True):
+                done, dirty = find_completed(plan.results_dir, plan.run_key, allow_dirty=cfg.get("resume_dirty"))
+                if done is not None:
+                    print(f"skip: a completed record of this run exists: {done['_path']}")
+                    print(summary_line(plan, done["metrics"], Path(done["_path"])))
+                    return done["metrics"]
+                if dirty:
+                    print(
+                        f"note: {len(dirty)} completed record(s) of this run came from a git tree with uncommitted "
+                        f"changes ({dirty[-1]['_path']}); running again (resume_dirty=true would reuse it)"
+                    )
+            return _run(cfg, plan)
+
+
+def _run(cfg: DictConfig, plan: RunPlan) -> dict[str, float]:
+    from kvq_lab.plugins import TASKS
+    from kvq_lab.tasks import TaskContext
 
     name = run_name(cfg, plan)
     run_dir = new_run_dir(plan.results_dir, name)
@@ -79,64 +148,106 @@ def run(cfg: DictConfig) -> dict[str, float]:
     record = {
         "name": name,
         "status": "running",
+        "started": datetime.now().isoformat(timespec="seconds"),
         "config": resolved,
         "config_hash": plan.config_hash,
+        "run_key": plan.run_key,
+        "inputs": plan.inputs,
         "cache": plan.cache.label(),
+        "cache_config": asdict(plan.cache),
         "experiment": cfg.get("experiment_name"),
         "env": environment(cfg.device),
         "metrics": {},
         "timings": {},
     }
-    write_json_atomic(run_dir / RECORD, record)
-    mirror = None
-    if cfg.logger.get("name", "none") == "wandb":
-        mirror = WandbMirror(cfg.logger, name, resolved, run_dir, group=cfg.get("experiment_name"))
+    try:
+        write_json_atomic(run_dir / RECORD, record)
+    except OSError as e:
+        raise RunFailed(f"cannot write the record {run_dir / RECORD}: {e}; nothing was run") from e
 
     timer = Timer()
     # Task data loaders (lm-eval `custom_dataset` functions) read the data folder from the environment
     if plan.data_dir is not None:
         os.environ["KVQ_DATA_DIR"] = str(plan.data_dir)
+    ctx = None
     try:
         seed_everything(cfg.seed)
         with timer("model_load_s"):
             model, tok = get_model(plan.model, cfg.model.get("dtype", "float32"), cfg.device)
         make_cache = cache_factory(plan, model)
-        ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit)
+        ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit, cache_config=plan.cache)
         with timer("task_s"), torch.inference_mode():
             metrics = TASKS[plan.task].run(ctx)
             if cfg.probe:  # error geometry beside the task's score (kvq_lab/probes)
-                from kvq_lab.probes.task import run_probes_for_task
+                from kvq_lab.tasks.probe import run_probes_for_task
 
-                metrics.update(run_probes_for_task(ctx, plan))
-        bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
-        if bad:
-            log.warning("NaN metrics: %s", bad)
-        record.update(status="ok", metrics=metrics, timings=timer.t)
-        # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
-        extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
-        if extras:
-            record["artifacts"] = extras
-        if ctx.artifacts.get("samples"):
-            write_json_atomic(run_dir / "samples.json", ctx.artifacts["samples"])
-        if mirror:
-            mirror.log(metrics, tables=ctx.artifacts.get("wandb_tables"), images=ctx.artifacts.get("wandb_images"))
-            record["wandb_dir"] = mirror.finish()
-        write_json_atomic(run_dir / RECORD, record)
+                metrics.update(run_probes_for_task(ctx))
+    except RunInterrupted as e:
+        progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
+        record.update(
+            status="interrupted",
+            signal=e.signame,
+            interrupted=datetime.now().isoformat(timespec="seconds"),
+            progress=progress,
+            timings=timer.t,
+        )
+        _write_quietly(run_dir / RECORD, record)
+        raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress)) from None
     except Exception as e:
         record.update(
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
         )
-        write_json_atomic(run_dir / RECORD, record)
-        if mirror:
-            mirror.finish(failed=True)
+        _write_quietly(run_dir / RECORD, record)
+        _mirror(cfg, name, resolved, run_dir, {}, None, failed=True)
         raise RunFailed(f"run {name} failed: {type(e).__name__}: {e} (record: {run_dir / RECORD})") from e
 
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
+    if bad:
+        log.warning("NaN metrics: %s", bad)
+    record.update(status="ok", metrics=metrics, timings=timer.t, finished=datetime.now().isoformat(timespec="seconds"))
+    # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
+    extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
+    if extras:
+        record["artifacts"] = extras
+    try:
+        if ctx.artifacts.get("samples"):
+            write_json_atomic(run_dir / "samples.json", ctx.artifacts["samples"])
+        record["wandb_dir"] = _mirror(cfg, name, resolved, run_dir, metrics, ctx.artifacts)
+        write_json_atomic(run_dir / RECORD, record)
+    except OSError as e:
+        print(summary_line(plan, metrics, run_dir))
+        raise RecordNotWritten(
+            f"run {name} finished (metrics above) but its record could not be written to {run_dir}: {e}"
+        ) from e
     print(summary_line(plan, metrics, run_dir))
     return metrics
 
 
-class RunFailed(RuntimeError):
-    """A run failed after validation; its record (status `failed`) says why."""
+def _write_quietly(path: Path, record: dict) -> None:
+    try:
+        write_json_atomic(path, record)
+    except OSError as e:
+        log.error("could not update the record %s: %s", path, e)
+
+
+def _mirror(cfg, name, resolved, run_dir, metrics, artifacts, failed: bool = False) -> str | None:
+    """The W&B copy of a finished run (see WandbMirror); a W&B problem never costs the record."""
+    if cfg.logger.get("name", "none") != "wandb":
+        return None
+    try:
+        mirror = WandbMirror(cfg.logger, name, resolved, run_dir, group=cfg.get("experiment_name"))
+        if not failed:
+            artifacts = artifacts or {}
+            mirror.log(metrics, tables=artifacts.get("wandb_tables"), images=artifacts.get("wandb_images"))
+        return mirror.finish(failed=failed)
+    except Exception as e:  # the record is the source of truth; say what went wrong and go on
+        log.warning("W&B mirror of %s not written: %s: %s", name, type(e).__name__, e)
+        return None
+
+
+def _progress_text(p: dict) -> str:
+    total = f" of {p['total']}" if p.get("total") else ""
+    return f"{p.get('done', 0)}{total} {p.get('unit', 'steps')}"
 
 
 def summary_line(plan: RunPlan, metrics: dict, run_dir: Path) -> str:
@@ -148,4 +259,4 @@ def summary_line(plan: RunPlan, metrics: dict, run_dir: Path) -> str:
     return f"[{plan.cache.label()}] {shown}\nrecord: {run_dir / RECORD}"
 
 
-__all__ = ["ConfigError", "RunFailed", "run"]
+__all__ = ["ConfigError", "RecordNotWritten", "RunFailed", "RunInterrupted", "run"]

@@ -35,6 +35,9 @@ def tiny_args(model_dir: Path, results_dir: Path, data_dir: Path, task: str = "p
         f"results_dir={results_dir}",
         f"data_dir={data_dir}",
         f"task={task}",
+        # tests run in developers' trees, often with uncommitted changes; the dirty-tree rule of resume has its own
+        # test (tests/test_trust.py)
+        "resume_dirty=true",
     ]
     if task == "ppl":
         args += ["task.context_tokens=32", "task.eval_tokens=16", "task.windows=2"]

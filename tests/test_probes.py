@@ -323,8 +323,8 @@ def test_probes_beside_a_task(tiny_model_dir, tmp_path):
     """probe=true: run_probes_for_task measures the task's own prompts and fills metrics and artifacts."""
     from kvq_lab.config import validate
     from kvq_lab.models import load_model
-    from kvq_lab.probes.task import run_probes_for_task
     from kvq_lab.tasks import TaskContext
+    from kvq_lab.tasks.probe import run_probes_for_task
 
     data = REPO.parent / "shared" / "data"
     if not (data / "coqa" / "coqa-validation.first20.lm_eval.jsonl").exists():
@@ -335,9 +335,9 @@ def test_probes_beside_a_task(tiny_model_dir, tmp_path):
     )  # fmt: skip
     plan = validate(cfg)
     model, tok = load_model(str(tiny_model_dir))
-    ctx = TaskContext(model, tok, lambda: None, cfg, tmp_path, plan.data_dir, None)
+    ctx = TaskContext(model, tok, lambda: None, cfg, tmp_path, plan.data_dir, None, cache_config=plan.cache)
     with torch.inference_mode():
-        m = run_probes_for_task(ctx, plan)
+        m = run_probes_for_task(ctx)
     assert m["probe/n_prompts"] == 2 and m["probe/mean_tokens"] == 48
     assert ctx.artifacts["probe_prompt_source"] == "coqa_turns"
     assert "probe_tables" in ctx.artifacts and "wandb_images" not in ctx.artifacts
@@ -378,8 +378,9 @@ def test_table2_puts_each_axis_in_its_column():
 
 def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir, tmp_path):
     """probe=true through run(cfg): the task's metric and the probe aggregates land in the same record."""
+    from kvq_lab.plugins import TASKS
     from kvq_lab.runner import run
-    from kvq_lab.tasks import TASKS, Task, register_task
+    from kvq_lab.tasks import Task, register_task
 
     class Dummy(Task):
         name = "dummy_for_probe_test"
@@ -408,10 +409,10 @@ def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir,
 
 
 def test_task_registry_import_stays_torch_free():
-    """Config validation imports kvq_lab.tasks (and so kvq_lab.probes.task): it must not import torch."""
+    """Config validation imports every task plugin (kvq_lab.plugins): that must not import torch."""
     import subprocess
     import sys
 
-    code = "import sys, kvq_lab.tasks as t; assert 'probe' in t.TASKS; print('torch' in sys.modules)"
+    code = "import sys, kvq_lab.plugins as p; assert 'probe' in p.TASKS; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

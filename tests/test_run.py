@@ -28,7 +28,7 @@ def records(results: Path) -> list[dict]:
 
 def test_multirun_of_two_configs_writes_two_records(tiny_model_dir, data_dir, tmp_path):
     sweep = ["-m", "key_axis=channel,token", f"model.path={tiny_model_dir}", "model.head_dim=64", "limit=2",
-             f"data_dir={data_dir}", f"results_dir={tmp_path}"]  # fmt: skip
+             f"data_dir={data_dir}", f"results_dir={tmp_path}", "resume_dirty=true"]  # fmt: skip
     run_cli(*sweep, "logger=wandb")
     recs = records(tmp_path)
     assert len(recs) == 2
@@ -46,6 +46,7 @@ def test_multirun_of_two_configs_writes_two_records(tiny_model_dir, data_dir, tm
     # a rerun of the same sweep finds both rows done and adds nothing
     p = run_cli(*sweep, "logger=none")
     assert p.stdout.count("skip: a completed record") == 2
+    assert p.stdout.count("coqa_turns/f1=") == 2  # the skip reports the score it reuses
     assert len(records(tmp_path)) == 2
 
 

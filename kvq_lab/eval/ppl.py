@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvq_lab.cache import NonFiniteError
+from kvq_lab.eval.tasks.coqa.utils import HUB_ID as COQA_HUB
+from kvq_lab.eval.tasks.coqa.utils import LOCAL_FILE as COQA_FILE
 
-COQA_FILE = "coqa/coqa-validation.first20.lm_eval.jsonl"
 SOURCES = ("coqa_stories",)
 PREFILL = ("exact", "cache")
 
@@ -46,7 +47,7 @@ def source_text(source: str, data_dir: Path | None) -> str:
     else:
         import datasets
 
-        stories = list(dict.fromkeys(datasets.load_dataset("EleutherAI/coqa", split="validation")["story"]))
+        stories = list(dict.fromkeys(datasets.load_dataset(COQA_HUB, split="validation")["story"]))
     return "\n\n".join(s.strip() for s in stories)
 
 
@@ -81,8 +82,11 @@ def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     return logits
 
 
-def decode_nll(model, cache, windows: torch.Tensor, context: int, exact_prefill: bool = True) -> torch.Tensor:
-    """windows [B, T0 + N] token ids -> NLL [B, N] of tokens T0..T0+N-1, each predicted through the cache."""
+def decode_nll(
+    model, cache, windows: torch.Tensor, context: int, exact_prefill: bool = True, progress=None
+) -> torch.Tensor:
+    """windows [B, T0 + N] token ids -> NLL [B, N] of tokens T0..T0+N-1, each predicted through the cache.
+    `progress` (optional, with a `done` attribute) counts the scored tokens per window as they come."""
     B, total = windows.shape
     logits = prefill(model, cache, windows[:, :context], exact_prefill)
     _check_logits(logits, 0, "prefill")
@@ -91,6 +95,8 @@ def decode_nll(model, cache, windows: torch.Tensor, context: int, exact_prefill:
     for step, t in enumerate(steps):
         target = windows[:, t]
         nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
+        if progress is not None:
+            progress.done = step + 1
         if t + 1 == total:
             break
         out = model(input_ids=target[:, None], past_key_values=cache, use_cache=True)
@@ -120,7 +126,8 @@ def run_ppl(ctx) -> dict[str, float]:
     ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     batch = make_windows(ids, context, eval_tokens, windows).to(ctx.model.device)
     cache = ctx.make_cache() or DynamicCache()
-    nll = decode_nll(ctx.model, cache, batch, context, exact_prefill=str(t.prefill) == "exact")
+    ctx.progress.unit, ctx.progress.total = "decode steps", eval_tokens
+    nll = decode_nll(ctx.model, cache, batch, context, exact_prefill=str(t.prefill) == "exact", progress=ctx.progress)
     per_window = nll.mean(dim=1)
     ctx.artifacts["ppl_per_window"] = [round(math.exp(float(x)), 4) for x in per_window]
     mean = float(nll.mean())

@@ -7,13 +7,13 @@ key/value quantizer pair, per layer and head, in several definitions side by sid
     errors.py   one layer's errors: quantize K/V as the run's CacheConfig says, compare A, AV, ... per head
     probe.py    over prompts -> ProbeResult (tables [layer, head])
     report.py   flat metrics, W&B tables, heat-maps; KIVI-Table-2 markdown over records
-    task.py     task=probe and probe=true
+(task=probe and probe=true live with the other tasks: kvq_lab/tasks/probe.py)
 """
 
 from kvq_lab._lazy import lazy_getattr
 
-# Names resolve lazily (as kvq_lab.quant and kvq_lab.cache): config validation imports kvq_lab.probes.task, which
-# must not pay for torch.
+# Names resolve lazily (as kvq_lab.quant and kvq_lab.cache): config validation imports kvq_lab.probes.settings
+# (through kvq_lab.tasks.probe), which must not pay for torch.
 _EXPORTS = {
     "LayerCapture": "capture",
     "capture_qkv": "capture",

@@ -50,6 +50,8 @@ class ProbeSettings:
             v = getattr(s, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"probe setting {name}={v!r} must be an integer >= 1")
+        if not isinstance(s.figures, bool):
+            raise ValueError(f"probe setting figures={s.figures!r} must be true or false")
         return s
 
     def quantities(self) -> tuple[str, ...]:

@@ -1,9 +1,21 @@
-"""Task registry: what `task=<name>` runs. A task checks its inputs cheaply (`check`, before any model load)
-and then produces flat metrics (`run`). Adding a task is one class here or in its own module plus a
-`conf/task/<name>.yaml` holding `name: <name>` and its options."""
+"""Task registry: what `task=<name>` runs.
+
+A task checks its inputs cheaply (`check`, before any model load: its options, its data files parsed and counted,
+`limit` against what the data holds), says what its numbers are computed from (`inputs`: content hashes of the
+files it reads, or the hub datasets it would download), and produces flat metrics (`run`).
+
+Adding a task: one module in this package that defines a `Task` subclass and calls `register_task(...)`, one line
+in `kvq_lab/plugins.py` importing that module, and `conf/task/<name>.yaml` holding `name: <name>` and its options
+(each option also listed in the task's `options`, so a typo such as `+task.windws=2` is rejected). The registry
+imports none of its plugins (kvq_lab/plugins.py assembles them); it must stay free of torch so that validation is
+fast.
+"""
 
 from __future__ import annotations
 
+import csv
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +23,19 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from kvq_lab.config import ConfigError
+from kvq_lab.errors import ConfigError
+
+
+@dataclass
+class Progress:
+    """How far a running task got, for the record of an interrupted run: `done` units of `unit` out of `total`."""
+
+    unit: str = "steps"
+    done: int = 0
+    total: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "done": self.done, "total": self.total}
 
 
 @dataclass
@@ -25,21 +49,113 @@ class TaskContext:
     run_dir: Path
     data_dir: Path | None
     limit: int | None
+    cache_config: Any = None  # the run's CacheConfig (what make_cache builds), for tasks that quantize themselves
     artifacts: dict[str, Any] = field(default_factory=dict)  # extra outputs (tables, figures) for the record/W&B
+    progress: Progress = field(default_factory=Progress)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data files: parsed and hashed before any model load
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A file a task reads under the data dir: `kind` jsonl (one JSON object per line) or csv (with a header row),
+    every row holding `keys`."""
+
+    rel: str
+    kind: str = "jsonl"
+    keys: tuple[str, ...] = ()
+
+
+_ROWS: dict[tuple, tuple[list[dict], str]] = {}  # (path, size, mtime) -> (rows, sha256): a sweep reads each once
+
+
+def read_data_file(data_dir: Path, f: DataFile) -> tuple[list[dict], str]:
+    """-> (rows, sha256 of the file's bytes). Raises ConfigError naming the file and the line for a missing, empty,
+    undecodable or malformed file."""
+    path = Path(data_dir) / f.rel
+    fix = "restore it from the shared data folder (see its README.md), or point data_dir= at a complete copy"
+    if not path.is_file():
+        raise ConfigError(
+            f"data file {f.rel} under data_dir={data_dir} not found; point data_dir= or KVQ_DATA_DIR at the data "
+            "folder (e.g. ../shared/data), or unset both to download from the hub"
+        )
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _ROWS:
+        return _ROWS[key]
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data file {path} is not UTF-8 text (byte {e.start}); {fix}") from None
+    rows: list[tuple[int, dict]] = []  # (line number, row)
+    if f.kind == "jsonl":
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data file {path} line {i} is not valid JSON ({e.msg}); {fix}") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"data file {path} line {i} is not a JSON object; {fix}")
+            rows.append((i, row))
+    elif f.kind == "csv":
+        reader = csv.DictReader(text.splitlines())
+        rows = [(i + 2, r) for i, r in enumerate(reader)]
+    else:
+        raise ValueError(f"unknown data file kind {f.kind!r}")
+    if not rows:
+        raise ConfigError(f"data file {path} is empty; {fix}")
+    for i, row in rows:
+        missing = [k for k in f.keys if k not in row or row[k] is None]
+        if missing:
+            raise ConfigError(f"data file {path} line {i} lacks {', '.join(map(repr, missing))}; {fix}")
+    out = ([r for _, r in rows], digest)
+    _ROWS[key] = out
+    return out
 
 
 class Task:
+    """Base class of tasks. Subclasses set `name`, `options`, `data` (files under the data dir), `hub` (what is
+    downloaded without a data dir) and implement `run`; `count_docs` says how many documents `limit` can select."""
+
     name: str = ""
-    # files a task reads under the data dir when one is given (else it uses the hub)
-    data_files: tuple[str, ...] = ()
+    options: tuple[str, ...] = ("name",)  # the task.* keys this task reads
+    data: tuple[DataFile, ...] = ()
+    hub: tuple[str, ...] = ()  # hub dataset ids (with config) read when no data dir is given
+    limit_unit: str = "documents"
+
+    def count_docs(self, rows: dict[str, list[dict]]) -> int | None:
+        """Documents `limit` selects from, given the parsed rows of each data file (None: no bound to check)."""
+        return None
 
     def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
-        for rel in self.data_files:
-            if data_dir is not None and not (data_dir / rel).exists():
-                raise ConfigError(
-                    f"task={self.name} needs {rel} under data_dir={data_dir}; point data_dir= or KVQ_DATA_DIR at the "
-                    "data folder (e.g. ../shared/data), or unset both to download from the hub"
-                )
+        unknown = sorted(set(cfg.task.keys()) - set(self.options))
+        if unknown:
+            raise ConfigError(
+                f"task.{unknown[0]} is not an option of task={self.name}; its options: {', '.join(self.options)}"
+            )
+        if data_dir is None:
+            return
+        rows = {f.rel: read_data_file(data_dir, f)[0] for f in self.data}
+        n = self.count_docs(rows)
+        limit = cfg.get("limit")
+        if n is not None and isinstance(limit, int) and not isinstance(limit, bool) and limit > n:
+            raise ConfigError(
+                f"limit={limit} but task={self.name} has {n} {self.limit_unit} under data_dir={data_dir}; "
+                f"use limit<={n} or limit=null (all)"
+            )
+
+    def inputs(self, cfg: DictConfig, data_dir: Path | None) -> dict[str, Any]:
+        """What the task's numbers are computed from: content hashes of the data files, or the hub datasets."""
+        if data_dir is None:
+            return {"source": "hub", "datasets": list(self.hub), "revision": None}
+        return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self.data}}
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         raise NotImplementedError
@@ -51,69 +167,3 @@ TASKS: dict[str, Task] = {}
 def register_task(task: Task) -> Task:
     TASKS[task.name] = task
     return task
-
-
-class LmEvalTask(Task):
-    """A generation task through lm-eval-harness, with the cache handed to every `generate` call."""
-
-    def __init__(self, name: str, data_files: tuple[str, ...] = (), lm_eval_name: str | None = None):
-        self.name = name
-        self.data_files = data_files
-        self.lm_eval_name = lm_eval_name or name
-
-    def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.eval.harness import run_lm_eval
-
-        metrics, samples = run_lm_eval(
-            self.lm_eval_name,
-            ctx.model,
-            ctx.tokenizer,
-            ctx.make_cache,
-            limit=ctx.limit,
-            batch_size=ctx.cfg.batch_size,
-            num_fewshot=ctx.cfg.task.get("num_fewshot"),
-            log_samples=True,
-        )
-        ctx.artifacts["samples"] = [
-            {
-                "doc_id": s.get("doc_id"),
-                "target": s.get("target"),
-                "response": (s.get("filtered_resps") or [None])[0],
-                **{k: s[k] for k in ("em", "f1", "exact_match") if k in s},
-            }
-            for s in samples
-        ]
-        return metrics
-
-
-COQA_FILE = "coqa/coqa-validation.first20.lm_eval.jsonl"
-register_task(LmEvalTask("coqa", (COQA_FILE,)))
-register_task(LmEvalTask("coqa_turns", (COQA_FILE,)))
-
-
-class PplTask(Task):
-    """Decode-mode perplexity through the cache (kvq_lab/eval/ppl.py); options in conf/task/ppl.yaml."""
-
-    name = "ppl"
-    data_files = (COQA_FILE,)
-
-    def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
-        from kvq_lab.eval.ppl import check_options
-
-        super().check(cfg, data_dir)
-        try:
-            check_options(cfg.task)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-
-    def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.eval.ppl import run_ppl
-
-        return run_ppl(ctx)
-
-
-register_task(PplTask())
-register_task(LmEvalTask("gsm8k", ("gsm8k/test.jsonl", "gsm8k/train.jsonl")))
-register_task(LmEvalTask("truthfulqa_gen", ("truthfulqa/TruthfulQA.csv",)))
-
-from kvq_lab.probes import task as _probe_task  # noqa: E402,F401  (registers task=probe)

@@ -7,23 +7,23 @@ tables and heat-map PNGs (written into the run folder) go into the record's arti
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from kvq_lab.tasks import COQA_FILE, Task, TaskContext, register_task
+from kvq_lab.errors import ConfigError
+from kvq_lab.probes.settings import ProbeSettings
 
-from .settings import ProbeSettings
+from . import Task, TaskContext, read_data_file, register_task
+from .harness import COQA_DATA, COQA_HUB
 
 log = logging.getLogger("kvq_lab")
 
 
 def _coqa_docs(data_dir: Path | None, n: int) -> list[dict]:
     if data_dir is not None:
-        path = Path(data_dir) / COQA_FILE
-        docs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        docs = read_data_file(data_dir, COQA_DATA)[0]
     else:  # the hub copy, as the coqa task does without a data dir
         from kvq_lab.eval.tasks.coqa.utils import load_coqa
 
@@ -53,8 +53,8 @@ def _settings(d) -> ProbeSettings:
 
 
 def _measure(ctx: TaskContext, cache, prompts: list[str], settings: ProbeSettings, keep: str) -> dict[str, float]:
-    from .probe import probe_model, tokenize  # torch and transformers: only once a run starts
-    from .report import artifacts, flat_metrics
+    from kvq_lab.probes.probe import probe_model, tokenize  # torch and transformers: only once a run starts
+    from kvq_lab.probes.report import artifacts, flat_metrics
 
     ids = tokenize(ctx.tokenizer, prompts, settings.max_tokens, keep=keep)
     res = probe_model(ctx.model, ids, cache, settings)
@@ -66,11 +66,15 @@ class ProbeTask(Task):
     """Reconstruction, attention-score and attention-output error per layer and head on real text (no accuracy)."""
 
     name = "probe"
-    data_files = (COQA_FILE,)
+    options = ("name", *ProbeSettings.__dataclass_fields__)
+    data = (COQA_DATA,)
+    hub = (COQA_HUB,)
+    limit_unit = "CoQA stories"
+
+    def count_docs(self, rows):
+        return len(rows[COQA_DATA.rel])
 
     def check(self, cfg, data_dir):
-        from kvq_lab.config import ConfigError
-
         try:
             s = _settings(cfg.task)
         except (TypeError, ValueError) as e:
@@ -80,30 +84,32 @@ class ProbeTask(Task):
                 f"task.source={s.source!r} is not a probe prompt source; choose one of: {', '.join(SOURCES)}"
             )
         super().check(cfg, data_dir)
+        if data_dir is not None and s.n_prompts > self.count_docs({COQA_DATA.rel: _coqa_docs(data_dir, 10**9)}):
+            n = len(_coqa_docs(data_dir, 10**9))
+            raise ConfigError(f"task.n_prompts={s.n_prompts} but data_dir={data_dir} has {n} CoQA stories; use <= {n}")
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.config import cache_config
-
         s = _settings(ctx.cfg.task)
         n = min(s.n_prompts, ctx.limit) if ctx.limit else s.n_prompts
         prompts = SOURCES[s.source](ctx.data_dir, n)
-        return _measure(ctx, cache_config(ctx.cfg), prompts, s, keep="head")
+        return _measure(ctx, ctx.cache_config, prompts, s, keep="head")
 
 
 register_task(ProbeTask())
 
 
-def run_probes_for_task(ctx: TaskContext, plan) -> dict[str, float]:
+def run_probes_for_task(ctx: TaskContext) -> dict[str, float]:
     """probe=true: the probes on the first `probes.n_prompts` of the task's prompts (coqa stories when the task has
     no prompt source here). Returns flat `probe/...` metrics; tables and figures go into ctx.artifacts."""
-    if plan.task == ProbeTask.name:
+    task = ctx.cfg.task.name
+    if task == ProbeTask.name:
         return {}
     s = _settings(ctx.cfg.get("probes") or {})
-    source = TASK_PROMPTS.get(plan.task)
+    source = TASK_PROMPTS.get(task)
     if source is None:
-        log.warning("probe=true: task %s has no probe prompt source; probing CoQA stories instead", plan.task)
-        prompts, keep = coqa_stories(plan.data_dir, s.n_prompts), "head"
+        log.warning("probe=true: task %s has no probe prompt source; probing CoQA stories instead", task)
+        prompts, keep = coqa_stories(ctx.data_dir, s.n_prompts), "head"
     else:
-        prompts, keep = source(plan.data_dir, s.n_prompts), "tail"
-    ctx.artifacts["probe_prompt_source"] = plan.task if source else "coqa"
-    return _measure(ctx, plan.cache, prompts, s, keep=keep)
+        prompts, keep = source(ctx.data_dir, s.n_prompts), "tail"
+    ctx.artifacts["probe_prompt_source"] = task if source else "coqa"
+    return _measure(ctx, ctx.cache_config, prompts, s, keep=keep)

@@ -6,9 +6,6 @@ import csv
 import os
 from pathlib import Path
 
-# lm-eval's own processing and metrics (t5-style BLEU via sacrebleu, ROUGE via rouge_score)
-from lm_eval.tasks.truthfulqa.utils import process_docs_gen, process_results_gen  # noqa: F401
-
 LOCAL_FILE = "truthfulqa/TruthfulQA.csv"
 HUB_ID, HUB_CONFIG = "truthfulqa/truthful_qa", "generation"
 
@@ -42,3 +39,17 @@ def load_truthfulqa(**kwargs):
             for r in csv.DictReader(f)
         ]
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows)})
+
+
+# lm-eval's own processing and metrics (t5-style BLEU via sacrebleu, ROUGE via rouge_score), imported when lm-eval
+# calls them: run validation reads LOCAL_FILE from this module and must stay light.
+def process_docs_gen(dataset):
+    from lm_eval.tasks.truthfulqa.utils import process_docs_gen as f
+
+    return f(dataset)
+
+
+def process_results_gen(doc, results):
+    from lm_eval.tasks.truthfulqa.utils import process_results_gen as f
+
+    return f(doc, results)
