@@ -2,7 +2,7 @@
 
     python scripts/make_table.py kivi_axis_table                      # prints; writes experiments/kivi_axis_table/
     python scripts/make_table.py kivi_axis_table --limit 20           # only the quick runs (limit=20)
-    python scripts/make_table.py kivi_residual --results-dir results --out /tmp/t
+    python scripts/make_table.py kivi_residual --results-dir /tmp/mine --out /tmp/t
 
 Rows: one per cache setting; for each task the run covering the most documents (newest among equals). Failed or
 unfinished rows say so instead of disappearing. Logic: kvq_lab/report.py; paper numbers: kvq_lab/anchors.py.
@@ -23,12 +23,15 @@ from kvq_lab.report import make_report  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", help="experiment name (conf/experiment/<name>.yaml; records' experiment_name)")
-    ap.add_argument("--results-dir", default="results")
+    ap.add_argument(
+        "--results-dir", default=None, help="records folder (default experiments/<experiment>, where the study's runs go)"
+    )
     ap.add_argument("--out", default=None, help="folder for table.md and the PNG (default experiments/<experiment>/)")
     ap.add_argument("--limit", type=int, default=None, help="only runs made with this limit=")
     ap.add_argument("--paper-model", default=DEFAULT_MODEL, choices=sorted(TABLE1))
     args = ap.parse_args(argv)
     out = args.out or Path("experiments") / args.experiment
+    args.results_dir = args.results_dir or Path("experiments") / args.experiment
     md, png = make_report(args.results_dir, args.experiment, out, limit=args.limit, paper_model=args.paper_model)
     print(md)
     if png is None:
