@@ -304,6 +304,7 @@ def validate(cfg: DictConfig) -> RunPlan:
     if unknown:  # `+key=value` slips past Hydra's struct check; a typo must not change the run silently
         raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
     cache = cache_config(cfg)
+    check_device(cfg, cache)
     for key in ("limit",):
         _int(cfg, key, lo=1, allow_none=True)
     _int(cfg, "seed", lo=0)
@@ -334,7 +335,6 @@ def validate(cfg: DictConfig) -> RunPlan:
             cache.check_head_dim(int(head_dim))
         except QuantConfigError as e:
             raise ConfigError(str(e)) from None
-    check_device(cfg, cache)
     ddir = data_dir(cfg)
     task = TASKS[task_name]
     task.check(cfg, ddir)

@@ -41,7 +41,8 @@ def test_rerun_skips_done_rows_and_runs_missing_ones(tiny_model_dir, data_dir, t
     assert again == first  # same config, same seed, same metrics (the skipped row returns its stored ones)
     after = records(tmp_path)
     by_bits = {b: [r["status"] for r in after if r["config"]["key_bits"] == b] for b in (2, 3, 4)}
-    assert by_bits == {2: ["ok"], 3: ["ok"], 4: ["running", "ok"]}  # row 2 not repeated; 3 and 4 ran again
+    # row 2 not repeated; 3 and 4 ran again; the killed row's stale `running` record now says it died
+    assert by_bits == {2: ["ok"], 3: ["ok"], 4: ["died", "ok"]}
 
 
 def test_resume_false_runs_again(tiny_model_dir, data_dir, tmp_path):
