@@ -32,9 +32,12 @@ def main(cfg: DictConfig) -> float | None:
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
     for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
         logging.getLogger(noisy).setLevel(logging.ERROR)  # progress bars remain; config chatter goes
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    # a sweep's id (its start time): groups its rows in W&B when no experiment_name names them
+    sweep = f"sweep-{os.path.basename(str(hc.sweep.dir))}" if multirun else None
     try:
-        metrics = run(cfg)
+        metrics = run(cfg, sweep=sweep)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:

@@ -26,6 +26,15 @@ class ModelNotFoundError(FileNotFoundError):
     """The model cannot be found; the message says where it was looked for and how to install it."""
 
 
+def cache_kwarg() -> str:
+    """The keyword under which the installed transformers takes a cache in `model(...)` and `model.generate(...)`:
+    `cache` once transformers renamed it (5.x; `past_key_values` then raises a FutureWarning on every call),
+    `past_key_values` before. Use as `model(ids, **{cache_kwarg(): cache})`."""
+    from transformers.utils import generic
+
+    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("KVQ_MODEL_CACHE", Path.home() / ".cache" / "kvq_lab" / "models"))
 

@@ -112,11 +112,12 @@ def _signals_raise():
             signal.signal(s, h)
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, sweep: str | None = None) -> dict[str, float]:
     """Run one config. Raises ConfigError on bad input (before loading anything). A failure inside the run is
     recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on; SIGINT/SIGTERM
     are recorded (status `interrupted`) and re-raised as RunInterrupted. Returns {} when another process holds
-    this row's claim (it is being run right now)."""
+    this row's claim (it is being run right now). `sweep`: the id of the sweep this row belongs to (run.py passes
+    it in multirun mode); W&B groups a sweep's rows by experiment_name, else by it."""
     plan = validate(cfg)
     with _signals_raise():
         claim = Claim.acquire(plan.results_dir, plan.run_key)
@@ -135,10 +136,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
                         f"note: {len(dirty)} completed record(s) of this run came from a git tree with uncommitted "
                         f"changes ({dirty[-1]['_path']}); running again (resume_dirty=true would reuse it)"
                     )
-            return _run(cfg, plan)
+            return _run(cfg, plan, sweep)
 
 
-def _run(cfg: DictConfig, plan: RunPlan) -> dict[str, float]:
+def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
     from kvq_lab.plugins import TASKS
     from kvq_lab.tasks import TaskContext
 
@@ -156,6 +157,7 @@ def _run(cfg: DictConfig, plan: RunPlan) -> dict[str, float]:
         "cache": plan.cache.label(),
         "cache_config": asdict(plan.cache),
         "experiment": cfg.get("experiment_name"),
+        "sweep": sweep,
         "env": environment(cfg.device),
         "metrics": {},
         "timings": {},
@@ -198,7 +200,7 @@ def _run(cfg: DictConfig, plan: RunPlan) -> dict[str, float]:
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
         )
         _write_quietly(run_dir / RECORD, record)
-        _mirror(cfg, name, resolved, run_dir, {}, None, failed=True)
+        _mirror(cfg, record, run_dir, {}, None, failed=True)
         raise RunFailed(f"run {name} failed: {type(e).__name__}: {e} (record: {run_dir / RECORD})") from e
 
     bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
@@ -212,7 +214,7 @@ def _run(cfg: DictConfig, plan: RunPlan) -> dict[str, float]:
     try:
         if ctx.artifacts.get("samples"):
             write_json_atomic(run_dir / "samples.json", ctx.artifacts["samples"])
-        record["wandb_dir"] = _mirror(cfg, name, resolved, run_dir, metrics, ctx.artifacts)
+        record["wandb_dir"] = _mirror(cfg, record, run_dir, metrics, ctx.artifacts)
         write_json_atomic(run_dir / RECORD, record)
     except OSError as e:
         print(summary_line(plan, metrics, run_dir))
@@ -230,12 +232,25 @@ def _write_quietly(path: Path, record: dict) -> None:
         log.error("could not update the record %s: %s", path, e)
 
 
-def _mirror(cfg, name, resolved, run_dir, metrics, artifacts, failed: bool = False) -> str | None:
-    """The W&B copy of a finished run (see WandbMirror); a W&B problem never costs the record."""
+def _mirror(cfg, record: dict, run_dir, metrics, artifacts, failed: bool = False) -> str | None:
+    """The W&B copy of a finished run (see WandbMirror); a W&B problem never costs the record.
+
+    Grouped by experiment (else by sweep), with every config field, the structured cache config, the run key and
+    the input identities in the run config, so W&B's compare and parallel-coordinates views can select on any."""
     if cfg.logger.get("name", "none") != "wandb":
         return None
+    name = record["name"]
+    config = {
+        **record["config"],
+        "cache_config": record["cache_config"],
+        "cache_label": record["cache"],
+        "run_key": record["run_key"],
+        "config_hash": record["config_hash"],
+        "inputs": record["inputs"],
+    }
+    group = cfg.logger.get("group") or record.get("experiment") or record.get("sweep")
     try:
-        mirror = WandbMirror(cfg.logger, name, resolved, run_dir, group=cfg.get("experiment_name"))
+        mirror = WandbMirror(cfg.logger, name, config, run_dir, group=group)
         if not failed:
             artifacts = artifacts or {}
             mirror.log(metrics, tables=artifacts.get("wandb_tables"), images=artifacts.get("wandb_images"))

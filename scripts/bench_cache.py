@@ -28,7 +28,7 @@ from transformers import DynamicCache, QuantizedCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
-from kvq_lab.models import load_model
+from kvq_lab.models import cache_kwarg, load_model
 from kvq_lab.quant.spec import QuantSpec
 
 TEXT = (
@@ -114,7 +114,7 @@ def arithmetic_bytes(cache: QuantizedKVCache) -> int:
 def run_once(model, make, ids, new_tokens: int, warmup: int) -> dict:
     cache = make()
     t0 = time.perf_counter()
-    out = model(ids, past_key_values=cache, use_cache=True)
+    out = model(ids, **{cache_kwarg(): cache}, use_cache=True)
     prefill = time.perf_counter() - t0
     nxt = out.logits[:, -1:].argmax(-1)
     peak = cache_bytes(cache)
@@ -122,7 +122,7 @@ def run_once(model, make, ids, new_tokens: int, warmup: int) -> dict:
     tokens = [nxt.item()]
     for _ in range(new_tokens):
         t0 = time.perf_counter()
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, **{cache_kwarg(): cache}, use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - t0)
         tokens.append(nxt.item())

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", help="experiment name (conf/experiment/<name>.yaml; records' experiment_name)")
     ap.add_argument(
-        "--results-dir", default=None, help="records folder (default experiments/<experiment>, where the study's runs go)"
+        "--results-dir", default=None, help="records folder (default experiments/<experiment>, where its runs go)"
     )
     ap.add_argument("--out", default=None, help="folder for table.md and the PNG (default experiments/<experiment>/)")
     ap.add_argument("--limit", type=int, default=None, help="only runs made with this limit=")

@@ -303,11 +303,12 @@ def test_rejected_config_leaves_no_folder_behind(data_dir, tmp_path):
 
 def test_generate_gets_the_cache_under_the_installed_name(tiny_model):
     from kvq_lab.cache import CacheConfig, QuantizedKVCache
-    from kvq_lab.eval.lm import generate_cache_kwarg
+    from kvq_lab.models import cache_kwarg
 
     ids = torch.randint(3, 200, (1, 12))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # the pytest filter for the old name does not apply here
         cache = QuantizedKVCache.for_model(tiny_model, CacheConfig())
-        out = tiny_model.generate(ids, max_new_tokens=4, do_sample=False, **{generate_cache_kwarg(): cache})
-    assert cache.get_seq_length() == out.shape[1] - 1  # the cache really was the one used
+        out = tiny_model.generate(ids, max_new_tokens=4, do_sample=False, **{cache_kwarg(): cache})
+        tiny_model(out[:, -1:], **{cache_kwarg(): cache})  # a plain forward step takes the same name
+    assert cache.get_seq_length() == out.shape[1]  # the cache really was the one used

@@ -6,13 +6,7 @@ from collections.abc import Callable
 
 from lm_eval.models.huggingface import HFLM
 
-
-def generate_cache_kwarg() -> str:
-    """The keyword `model.generate` takes a cache under in the installed transformers: `cache` once transformers
-    renamed it (5.x; `past_key_values` then raises a FutureWarning on every call), `past_key_values` before."""
-    from transformers.utils import generic
-
-    return "cache" if hasattr(generic, "_rename_kwargs_for_bc") else "past_key_values"
+from kvq_lab.models import cache_kwarg
 
 
 class QuantCacheLM(HFLM):
@@ -26,7 +20,7 @@ class QuantCacheLM(HFLM):
         super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length)
         self.make_cache = make_cache
         self.generate_calls = 0
-        self.cache_kwarg = generate_cache_kwarg()
+        self.cache_kwarg = cache_kwarg()
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.make_cache is not None:

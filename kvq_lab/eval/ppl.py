@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from kvq_lab.cache import NonFiniteError
 from kvq_lab.eval.tasks.coqa.utils import HUB_ID as COQA_HUB
 from kvq_lab.eval.tasks.coqa.utils import LOCAL_FILE as COQA_FILE
+from kvq_lab.models import cache_kwarg
 
 SOURCES = ("coqa_stories",)
 PREFILL = ("exact", "cache")
@@ -73,9 +74,10 @@ def _check_logits(logits: torch.Tensor, step: int, what: str) -> None:
 def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     """Fill `cache` with the context [B, T0]; -> logits [B, V] of the last context position."""
     if not exact:
-        return model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        out = model(input_ids=context, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float()
     dyn = DynamicCache()
-    logits = model(input_ids=context, past_key_values=dyn, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    logits = model(input_ids=context, **{cache_kwarg(): dyn}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
     for i, layer in enumerate(dyn.layers):
         # post-RoPE K/V [B, H_kv, T0, D] at positions 0..T0-1; the cache derives cos/sin for rope=pre itself
         cache.update(layer.keys, layer.values, i, {})
@@ -99,7 +101,7 @@ def decode_nll(
             progress.done = step + 1
         if t + 1 == total:
             break
-        out = model(input_ids=target[:, None], past_key_values=cache, use_cache=True)
+        out = model(input_ids=target[:, None], **{cache_kwarg(): cache}, use_cache=True)
         logits = out.logits[:, -1].float()
         _check_logits(logits, step + 1, f"after feeding token {t} of each window")
     return torch.stack(nll, dim=1)
