@@ -14,6 +14,7 @@ _EXPORTS = {
     "QuantConfigError": "spec",
     "QuantSpec": "spec",
     "QTensor": "reference",
+    "code_format": "reference",
     "dequantize": "reference",
     "fake_quant": "reference",
     "quantize": "reference",

@@ -21,40 +21,34 @@ blocks without touching older ones. Per-token streams that append one token at a
 current (partial) block only: its codes are unpacked and repacked losslessly, never re-quantized.
 
 Byte accounting: a block is allocated whole, so `T` tokens take `ceil(T / BLOCK) * BLOCK * bits / 8` bytes per
-channel; scale and zero point are fp16 (2 bytes each) per group. At 2 bits, G = 32, T a multiple of 32:
-2 + 2 * 16 / 32 = 3 bits per element (5.33x smaller than fp16).
+channel; each parameter the code format declares is fp16 (2 bytes) per group (int: scale and zero point; fp8:
+scale only). At 2 bits (int), G = 32, T a multiple of 32: 2 + 2 * 16 / 32 = 3 bits per element (5.33x smaller
+than fp16); fp8, G = 32: 8 + 16 / 32 = 8.5. The integer arithmetic of the layout is `kvq_lab.quant.layout`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .reference import PARAM_DTYPE, QTensor
+from .layout import BLOCK, packed_rows, padded_tokens, word_layout
+from .reference import PARAM_DTYPE, QTensor, code_format
 from .spec import QuantSpec
 
-BLOCK = 32  # tokens per packing block: a multiple of every word's code count (8 at most)
-
-
-def word_layout(bits: int) -> tuple[int, int]:
-    """(u, nb): codes per word and bytes per word. 1 -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 8 -> (1, 1)."""
-    if bits not in (1, 2, 3, 4, 8):
-        raise ValueError(f"cannot pack bits={bits}; allowed: 1, 2, 3, 4, 8")
-    u = 8 // math.gcd(bits, 8)
-    return u, bits * u // 8
-
-
-def padded_tokens(n_tokens: int, block: int = BLOCK) -> int:
-    """Tokens of storage that `n_tokens` occupy: whole blocks."""
-    return -(-n_tokens // block) * block
-
-
-def packed_rows(n_tokens: int, bits: int, block: int = BLOCK) -> int:
-    """Byte rows (of D bytes each) holding `n_tokens` tokens: whole blocks of `block * bits / 8` rows."""
-    return padded_tokens(n_tokens, block) * bits // 8
+__all__ = [
+    "BLOCK",
+    "PackedQTensor",
+    "pack",
+    "packed_rows",
+    "pad_tokens",
+    "padded_tokens",
+    "plane_shifts",
+    "qtensor_nbytes",
+    "unpack",
+    "word_layout",
+]
 
 
 def pack(codes: torch.Tensor, bits: int, block: int = BLOCK) -> torch.Tensor:
@@ -118,12 +112,13 @@ def pad_tokens(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 class PackedQTensor:
     """A `QTensor` with its codes bit-packed: what the packed cache stores for a chunk of quantized tokens.
 
-    packed: uint8 [B, H, ceil(T_pad / BLOCK) * BLOCK * bits / 8, D]; scale, zero: fp16, as in `QTensor`.
+    packed: uint8 [B, H, ceil(T_pad / BLOCK) * BLOCK * bits / 8, D]; scale, zero: fp16, as in `QTensor` (zero None
+    where the format stores none).
     """
 
     packed: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     spec: QuantSpec
     length: int
     dtype: torch.dtype
@@ -131,18 +126,18 @@ class PackedQTensor:
 
     @classmethod
     def from_qtensor(cls, q: QTensor, block: int = BLOCK) -> PackedQTensor:
-        packed = pack(pad_tokens(q.codes, block), q.spec.bits, block)
+        packed = pack(pad_tokens(q.codes, block), code_format(q.spec).code_bits, block)
         return cls(packed, q.scale, q.zero, q.spec, q.length, q.dtype, block)
 
     def to_qtensor(self) -> QTensor:
         G = self.spec.group_size
         t_pad = -(-self.length // G) * G if self.spec.axis == "channel" else self.length
-        codes = unpack(self.packed, self.spec.bits, self.block)[..., :t_pad, :].contiguous()
+        codes = unpack(self.packed, code_format(self.spec).code_bits, self.block)[..., :t_pad, :].contiguous()
         return QTensor(codes, self.scale, self.zero, self.spec, self.length, self.dtype)
 
     def nbytes(self) -> int:
-        """Bytes stored: packed codes plus fp16 scale and zero point."""
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+        """Bytes stored: packed codes plus the format's fp16 parameters."""
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero) if t is not None)
 
     def fp16_nbytes(self) -> int:
         """Bytes of the same tokens held as fp16."""
@@ -151,7 +146,9 @@ class PackedQTensor:
 
 
 def qtensor_nbytes(n_tokens: int, D: int, spec: QuantSpec, block: int = BLOCK) -> int:
-    """Arithmetic bytes of one [1, 1, n_tokens, D] quantized tensor in this layout (whole blocks, whole groups)."""
-    codes = packed_rows(n_tokens, spec.bits, block) * D
+    """Arithmetic bytes of one [1, 1, n_tokens, D] quantized tensor in this layout (whole blocks, whole groups):
+    codes plus the parameters the spec's format declares (int: scale and zero point; fp8: scale)."""
+    fmt = code_format(spec)
+    codes = packed_rows(n_tokens, fmt.code_bits, block) * D
     groups = n_tokens * (D // spec.group_size) if spec.axis == "token" else -(-n_tokens // spec.group_size) * D
-    return codes + 2 * groups * PARAM_DTYPE.itemsize  # scale and zero point per group
+    return codes + len(fmt.params) * groups * PARAM_DTYPE.itemsize

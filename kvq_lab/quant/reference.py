@@ -1,53 +1,61 @@
 """Pure-PyTorch reference quantizer: the specification every kernel and fast path is tested against.
 
-Arithmetic (asymmetric uniform, per group, computed in fp32):
+A spec (`QuantSpec`) names a code format (`kvq_lab.quant.formats`: int, fp8_e4m3, fp8_e5m2, lut); this module forms
+the groups and hands them to the format, whose docstring pins the per-group arithmetic. Every format dequantizes
+with one formula (fp32):
 
-    zero  = fp16_round_down(min(group))                 # stored zero point (fp16), <= every element
-    scale = fp16_round_up((max(group) - zero) / L)      # stored step (fp16), L = 2^bits - 1
-    code  = clamp(round_half_even((x - zero) / scale), 0, L)      (code = 0 where scale == 0)
-    x'    = code * scale + zero
+    x' = table[code] * scale + zero          (`zero` absent, i.e. 0, for formats that store none: fp8)
 
-Rounding the stored parameters *outwards* (zero down, scale up) keeps every element of the group inside
-the representable range, so no code is clamped and every element's error is at most half a step:
-|x - x'| <= scale / 2 (up to fp32 rounding). KIVI rounds its fp16 parameters to nearest instead; the
-difference is below one fp16 ulp of the parameters. A zero-width group (max == min, e.g. all zeros)
-gets scale 0 and reproduces its value exactly instead of dividing by zero.
+`int` (the default, KIVI's asymmetric uniform code, `kvq_lab.quant.formats.int_`): zero = fp16_round_down(min),
+scale = fp16_round_up((max - zero) / (2^bits - 1)), code = round_half_even((x - zero) / scale), table[c] = c;
+every element's error is at most scale / 2. The results are bit for bit those of this module before formats
+existed.
 
 Groups (`[B, H_kv, T, D]` tensors; axis names are mapped to dimensions here and nowhere else):
     axis="token"   -> groups of G consecutive channels inside one token   (params: [B, H, T, D/G])
     axis="channel" -> groups of G consecutive tokens inside one channel   (params: [B, H, ceil(T/G), D])
 
 Partial groups (per-channel only, T not a multiple of G): `partial="zero"` pads the last group with
-zeros that take part in its min/max, as KIVI's fake quant does; `partial="exclude"` leaves them out.
-`valid` (bool, broadcastable to [B, H, T]) marks positions that may enter min/max: padding tokens of a
-left-padded batch are excluded this way. Excluded positions get code 0.
+zeros that take part in its statistics (min/max, absmax), as KIVI's fake quant does; `partial="exclude"` leaves
+them out. `valid` (bool, broadcastable to [B, H, T]) marks positions that may enter the statistics: padding tokens
+of a left-padded batch are excluded this way. Excluded positions get code 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
+from kvq_lab.quant.formats import CodeFormat, get_format
+from kvq_lab.quant.formats import all as _plugins  # noqa: F401  (registers the built-in formats)
+
+from .rounding import PARAM_DTYPE, fp16_round_down, fp16_round_up
 from .spec import QuantSpec
 
-PARAM_DTYPE = torch.float16
-_FP16_MAX = torch.finfo(torch.float16).max
+__all__ = [
+    "PARAM_DTYPE",
+    "QTensor",
+    "code_format",
+    "dequantize",
+    "fake_quant",
+    "fp16_round_down",
+    "fp16_round_up",
+    "quantize",
+    "step_size",
+]
 
 
-def fp16_round_down(x: torch.Tensor) -> torch.Tensor:
-    """Largest fp16 value <= x (x fp32). Values beyond fp16's range become -inf/+inf."""
-    y = x.to(PARAM_DTYPE)
-    too_big = y.float() > x
-    return torch.where(too_big, torch.nextafter(y, torch.full_like(y, -float("inf"))), y)
-
-
-def fp16_round_up(x: torch.Tensor) -> torch.Tensor:
-    """Smallest fp16 value >= x (x fp32)."""
-    y = x.to(PARAM_DTYPE)
-    too_small = y.float() < x
-    return torch.where(too_small, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+@cache
+def code_format(spec: QuantSpec) -> CodeFormat:
+    """The code format a (non-identity) spec names, at its bits and with its codebook: one-line QuantConfigError
+    if the format is unknown or takes other widths (fp8: 8 bits). Cached per spec (specs are frozen)."""
+    if spec.is_identity:
+        raise ValueError("bits=16 is the identity: it has no code format (nothing is quantized)")
+    options = {} if spec.codebook is None else {"codebook": spec.codebook}
+    return get_format(spec.format, spec.bits, **options)
 
 
 @dataclass
@@ -55,14 +63,15 @@ class QTensor:
     """Quantized `[B, H, T, D]` tensor in the reference layout.
 
     codes: uint8 `[B, H, T_pad, D]` (T_pad = T rounded up to G for per-channel groups), one code per element.
-    scale, zero: fp16 params, `[B, H, T, D/G]` (token axis) or `[B, H, T_pad/G, D]` (channel axis).
+    scale, zero: fp16 params, `[B, H, T, D/G]` (token axis) or `[B, H, T_pad/G, D]` (channel axis); zero is None
+    for formats that store no zero point (fp8).
     length: the true token count T; dtype: the dtype dequantization returns.
     Bit packing of `codes` is the storage layer's business (`kvq_lab.quant.pack`).
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    zero: torch.Tensor | None
     spec: QuantSpec
     length: int
     dtype: torch.dtype
@@ -97,11 +106,13 @@ def _check_shape(x: torch.Tensor, spec: QuantSpec) -> None:
 
 
 def quantize(x: torch.Tensor, spec: QuantSpec, valid: torch.Tensor | None = None, partial: str = "zero") -> QTensor:
-    """Quantize x `[B, H, T, D]` (any float dtype) following the module docstring's arithmetic."""
+    """Quantize x `[B, H, T, D]` (any float dtype): groups as the module docstring says, codes and parameters by
+    the spec's format (`code_format(spec).quantize_groups`)."""
     if spec.is_identity:
         raise ValueError("bits=16 is the identity: there is nothing to quantize (use fake_quant, or store x)")
     if partial not in ("zero", "exclude"):
         raise ValueError(f"partial={partial!r}; allowed: zero, exclude")
+    fmt = code_format(spec)
     _check_shape(x, spec)
     B, H, T, D = x.shape
     xf = x.float()
@@ -115,32 +126,14 @@ def quantize(x: torch.Tensor, spec: QuantSpec, valid: torch.Tensor | None = None
             valid = F.pad(base, (0, pad), value=(partial == "zero"))
 
     g = _grouped(xf, spec)
-    if valid is None:
-        mn, mx = g.amin(-1), g.amax(-1)
-        vg = None
-    else:
-        vg = _grouped(valid.unsqueeze(-1).expand(B, H, T + pad, D), spec)
-        mn = torch.where(vg, g, float("inf")).amin(-1)
-        mx = torch.where(vg, g, -float("inf")).amax(-1)
-        empty = ~vg.any(-1)  # a group of padding only: any params will do
-        mn = torch.where(empty, 0.0, mn)
-        mx = torch.where(empty, 0.0, mx)
-
-    zero = fp16_round_down(mn)
-    scale = fp16_round_up((mx - zero.float()) / spec.levels)
-    s = scale.float().unsqueeze(-1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((g - zero.float().unsqueeze(-1)) / safe).clamp_(0, spec.levels)
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
-    if vg is not None:
-        codes = torch.where(vg, codes, torch.zeros_like(codes))
-    return QTensor(_ungrouped(codes.to(torch.uint8), spec).contiguous(), scale, zero, spec, T, x.dtype)
+    vg = None if valid is None else _grouped(valid.unsqueeze(-1).expand(B, H, T + pad, D), spec)
+    codes, scale, zero = fmt.quantize_groups(g, vg)
+    return QTensor(_ungrouped(codes, spec).contiguous(), scale, zero, spec, T, x.dtype)
 
 
 def dequantize(q: QTensor) -> torch.Tensor:
-    """`[B, H, T, D]` in q.dtype: code * scale + zero, computed in fp32."""
-    g = _grouped(q.codes.float(), q.spec)
-    x = g * q.scale.float().unsqueeze(-1) + q.zero.float().unsqueeze(-1)
+    """`[B, H, T, D]` in q.dtype: table[code] * scale + zero of the spec's format, computed in fp32."""
+    x = code_format(q.spec).dequantize_groups(_grouped(q.codes, q.spec), q.scale, q.zero)
     return _ungrouped(x, q.spec)[..., : q.length, :].to(q.dtype)
 
 
@@ -154,6 +147,7 @@ def fake_quant(
 
 
 def step_size(q: QTensor) -> torch.Tensor:
-    """Per-element quantization step `[B, H, T, D]` (fp32), for error bounds: |x - x'| <= step / 2."""
+    """Per-element scale `[B, H, T, D]` (fp32). For `int` it is the quantization step, the error bound being
+    |x - x'| <= step / 2; other formats state their bound in `error_bound` (`code_format(q.spec)`)."""
     g = _grouped(torch.zeros_like(q.codes, dtype=torch.float32), q.spec) + q.scale.float().unsqueeze(-1)
     return _ungrouped(g, q.spec)[..., : q.length, :]

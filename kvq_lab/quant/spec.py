@@ -1,17 +1,22 @@
 """The quantizer's recipe: a frozen, validated description of how one tensor is quantized.
 
-A spec says *what* (bits, group size, grouping axis); `kvq_lab.quant.reference` says *how*
-(the arithmetic), and kernels accelerate the same arithmetic.
+A spec says *what* (bits, group size, grouping axis, code format); `kvq_lab.quant.reference` says *how* (the
+grouping, and the format's arithmetic from `kvq_lab.quant.formats`), and kernels accelerate the same arithmetic.
+This module imports nothing: config validation reads it without torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 
 AXES = ("token", "channel")
 BITS = (1, 2, 3, 4, 8, 16)
 # 16 means "no quantization": the identity quantizer, used as the exact oracle in tests.
 IDENTITY_BITS = 16
+DEFAULT_FORMAT = "int"
+_FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 class QuantConfigError(ValueError):
@@ -20,17 +25,24 @@ class QuantConfigError(ValueError):
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Asymmetric uniform integer quantization of `[B, H_kv, T, D]` tensors in groups of `group_size`.
+    """Quantization of `[B, H_kv, T, D]` tensors in groups of `group_size`, with one code format.
 
     axis:
         `token`   -> one group = `group_size` consecutive channels of one token (KIVI's "per-token").
         `channel` -> one group = `group_size` consecutive tokens of one channel (KIVI's "per-channel").
-    bits: 1, 2, 3, 4, 8, or 16 (identity, nothing is quantized).
+    bits: 1, 2, 3, 4, 8, or 16 (identity, nothing is quantized, whatever the format); the format may allow fewer
+        (fp8: 8 only).
+    format: a registered code format (`kvq_lab.quant.formats.FORMATS`): `int` (asymmetric uniform, KIVI's),
+        `fp8_e4m3`, `fp8_e5m2`, `lut`. Resolved, and its bits checked, by `kvq_lab.quant.reference.code_format`.
+    codebook: the format's code values where it takes them (lut: 2^bits sorted numbers; None = its default),
+        kept as a tuple so the spec stays hashable; a list is converted.
     """
 
     bits: int = 2
     group_size: int = 32
     axis: str = "token"
+    format: str = DEFAULT_FORMAT
+    codebook: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.axis not in AXES:
@@ -39,6 +51,14 @@ class QuantSpec:
             raise QuantConfigError(f"bits={self.bits!r} is not supported; allowed: {', '.join(map(str, BITS))}")
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise QuantConfigError(f"group_size={self.group_size!r} must be a positive integer (e.g. 32)")
+        if not isinstance(self.format, str) or not _FORMAT_NAME.fullmatch(self.format):
+            raise QuantConfigError(f"format={self.format!r} is not a format name; e.g. int, fp8_e4m3, lut")
+        if self.codebook is not None:
+            try:
+                cb = tuple(float(v) for v in self.codebook)
+            except (TypeError, ValueError):
+                raise QuantConfigError(f"codebook={self.codebook!r} must be a sequence of numbers") from None
+            object.__setattr__(self, "codebook", cb)
 
     @property
     def is_identity(self) -> bool:
@@ -58,8 +78,20 @@ class QuantSpec:
                 f"channels); use one of {divisors}"
             )
 
+    def code_tag(self) -> str:
+        """The codes in a label: `2b` for int (as before formats existed), else the format's name without `_`,
+        plus the width where the name does not state it (`fp8e4m3`, `lut2b`), plus a hash of a given codebook."""
+        if self.format == DEFAULT_FORMAT and self.codebook is None:
+            return f"{self.bits}b"
+        tag = self.format.replace("_", "")
+        if not any(c.isdigit() for c in tag):
+            tag += f"{self.bits}b"
+        if self.codebook is not None:
+            tag += "." + hashlib.sha256(repr(self.codebook).encode()).hexdigest()[:6]
+        return tag
+
     def short(self) -> str:
-        """Compact label, e.g. `2b-C32` (C = per-channel, T = per-token), `16b`."""
+        """Compact label, e.g. `2b-C32` (C = per-channel, T = per-token), `fp8e4m3-T32`, `16b`."""
         if self.is_identity:
             return "16b"
-        return f"{self.bits}b-{'C' if self.axis == 'channel' else 'T'}{self.group_size}"
+        return f"{self.code_tag()}-{'C' if self.axis == 'channel' else 'T'}{self.group_size}"

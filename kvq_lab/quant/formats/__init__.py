@@ -36,7 +36,9 @@ One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `f
 
 `tests/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
 (round trip within its own `error_bound`, codes in range, the dequantize formula, adversarial inputs) with no
-test edit. Kernels declare the formats they read with `add_kernel_support`.
+test edit; `tests/test_format_matrix.py` runs it through the reference, simulated and packed caches and every
+kernel. Kernels declare the formats they read with `add_kernel_support` (the C and Triton kernels read the formula
+above for any format: `"*"`); a format that a backend cannot read says so in `unsupported_backends`.
 
 This module imports neither torch nor its plugins: plugins register themselves when imported, and
 `formats/all.py` is the one place that imports them.
@@ -49,15 +51,17 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar
 
+from kvq_lab.quant.layout import packed_rows
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
 if TYPE_CHECKING:
     import torch
 
-PARAM_BYTES = 2  # every per-group parameter is fp16 (kvq_lab.quant.reference.PARAM_DTYPE)
+PARAM_BYTES = 2  # every per-group parameter is fp16 (kvq_lab.quant.rounding.PARAM_DTYPE)
+EVERY_FORMAT = "*"  # add_kernel_support(backend, "*"): the kernels read the table formula, so every format
 
 FORMATS: dict[str, type[CodeFormat]] = {}
-_KERNEL_SUPPORT: dict[str, set[str]] = {}  # backend -> names of the formats its kernels read
+_KERNEL_SUPPORT: dict[str, set[str]] = {}  # backend -> names of the formats its kernels read (or "*")
 
 
 def register_format(name: str):
@@ -80,7 +84,8 @@ def register_format(name: str):
 
 
 def add_kernel_support(backend: str, *names: str) -> None:
-    """Declare that `backend`'s kernels read the formats `names` (called by the kernel module when imported)."""
+    """Declare that `backend`'s kernels read the formats `names` (called by the kernel module when imported);
+    `"*"` (EVERY_FORMAT): every format, as kernels that implement `table[code] * scale (+ zero)` do."""
     _KERNEL_SUPPORT.setdefault(backend, set()).update(names)
 
 
@@ -88,43 +93,56 @@ def _formats_with(bits: int) -> list[str]:
     return sorted(n for n, cls in FORMATS.items() if bits in cls.supported_bits)
 
 
-def check_bits(name: str, bits, bits_name: str = "bits") -> int:
+def check_bits(name: str, bits, bits_name: str = "bits", format_name: str = "format") -> int:
     """`bits` if format `name` supports it, else a one-line QuantConfigError naming the setting and the fix.
 
     bits=None picks the format's only width (fp8: 8); a format with several widths needs one.
+    bits_name, format_name: how the caller's settings are called in error messages (e.g. `key_bits`, `key_format`).
     """
     allowed = FORMATS[name].supported_bits
     shown = ", ".join(map(str, allowed))
     if bits is None:
         if len(allowed) == 1:
             return allowed[0]
-        raise QuantConfigError(f"format={name} needs {bits_name}: one of {shown}")
+        raise QuantConfigError(f"{format_name}={name} needs {bits_name}: one of {shown}")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
         others = _formats_with(bits) if isinstance(bits, int) and not isinstance(bits, bool) else []
-        other = f", or a format with {bits} bits: format={' | '.join(others)}" if others else ""
+        other = f", or a format with {bits} bits: {format_name}={' | '.join(others)}" if others else ""
         fix = f"drop {bits_name}" if len(allowed) == 1 else f"choose {bits_name} in {shown}"
-        raise QuantConfigError(f"format={name} takes {shown} bits; {bits_name}={bits!r} conflicts: {fix}{other}")
+        raise QuantConfigError(f"{format_name}={name} takes {shown} bits; {bits_name}={bits!r} conflicts: {fix}{other}")
     return bits
 
 
-def get_format(name: str, bits: int | None = None, bits_name: str = "bits", **options) -> CodeFormat:
-    """The format `name` at `bits` bits with its `options` (lut: `codebook`), validated with one-line errors.
-
-    bits_name: how the caller's setting is called in error messages (e.g. `key_bits`).
-    """
+def _check_name(name: str, format_name: str = "format") -> type[CodeFormat]:
     if name not in FORMATS:
         if not FORMATS:
-            raise QuantConfigError(f"format={name!r}: no format is registered; import kvq_lab.quant.formats.all")
+            raise QuantConfigError(f"{format_name}={name!r}: no format is registered; import kvq_lab.quant.formats.all")
         raise QuantConfigError(
-            f"format={name!r} is not a registered code format; allowed: {', '.join(sorted(FORMATS))}"
+            f"{format_name}={name!r} is not a registered code format; allowed: {', '.join(sorted(FORMATS))}"
         )
-    cls = FORMATS[name]
+    return FORMATS[name]
+
+
+def default_bits(name: str, format_name: str = "format") -> int:
+    """The width format `name` takes when none is given (`key_bits: null`): its `default_bits`, else its only one."""
+    cls = _check_name(name, format_name)
+    return cls.default_bits if cls.default_bits is not None else check_bits(name, None, format_name=format_name)
+
+
+def get_format(
+    name: str, bits: int | None = None, bits_name: str = "bits", format_name: str = "format", **options
+) -> CodeFormat:
+    """The format `name` at `bits` bits with its `options` (lut: `codebook`), validated with one-line errors.
+
+    bits_name, format_name: how the caller's settings are called in error messages (e.g. `key_bits`, `key_format`).
+    """
+    cls = _check_name(name, format_name)
     known = {f.name for f in fields(cls)} - {"name", "bits"}
     for key in options:
         if key not in known:
             has = ", ".join(sorted(known)) or "none"
-            raise QuantConfigError(f"format={name} has no option {key!r}; its options: {has}")
-    return cls(bits=check_bits(name, bits, bits_name), name=name, **options)
+            raise QuantConfigError(f"{format_name}={name} has no option {key!r}; its options: {has}")
+    return cls(bits=check_bits(name, bits, bits_name, format_name), name=name, **options)
 
 
 @dataclass(frozen=True)
@@ -141,7 +159,10 @@ class CodeFormat(ABC):
 
     names: ClassVar[tuple[str, ...]] = ()  # registered names, filled by `register_format`
     supported_bits: ClassVar[tuple[int, ...]] = ()
+    default_bits: ClassVar[int | None] = None  # the width when none is given; None: the only supported one
     params: ClassVar[tuple[str, ...]] = ("scale", "zero")  # stored per group, fp16 each, in this order
+    unsupported_backends: ClassVar[tuple[str, ...]] = ()  # backends that cannot read it although they read "*"
+    codes_are_values: ClassVar[bool] = False  # table[c] == c: a kernel may use the code itself (int's fast path)
 
     def __post_init__(self):
         if self.name not in type(self).names:
@@ -165,8 +186,12 @@ class CodeFormat(ABC):
         return 0
 
     def supports(self, backend: str) -> bool:
-        """Whether `backend` can read this format: the PyTorch path always; kernels declare themselves."""
-        return backend == "torch" or self.name in _KERNEL_SUPPORT.get(backend, ())
+        """Whether `backend` can read this format: the PyTorch path always; kernels declare what they read
+        (`add_kernel_support`), and a format may refuse a backend (`unsupported_backends`)."""
+        if backend == "torch":
+            return True
+        declared = _KERNEL_SUPPORT.get(backend, ())
+        return backend not in self.unsupported_backends and (self.name in declared or EVERY_FORMAT in declared)
 
     # -- arithmetic ------------------------------------------------------------------------------------------
     @abstractmethod
@@ -224,8 +249,6 @@ def bits_per_element(
 def tensor_nbytes(fmt: CodeFormat, group_size: int, axis: str, n_tokens: int, head_dim: int) -> int:
     """Bytes of one quantized [1, 1, n_tokens, head_dim] tensor: codes in whole packing blocks of tokens
     (`kvq_lab.quant.pack`), parameters in whole groups, table excluded. For int it is `pack.qtensor_nbytes`."""
-    from kvq_lab.quant.pack import packed_rows  # imports torch: only here, so the registry stays light
-
     spec = QuantSpec(fmt.code_bits, group_size, axis)  # validates group_size and axis
     spec.check_head_dim(head_dim)
     G = spec.group_size

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
-from kvq_lab.quant.reference import fp16_round_up
+from kvq_lab.quant.rounding import fp16_round_up
 
 DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _FP16_MAX = torch.finfo(torch.float16).max

@@ -32,7 +32,7 @@ from functools import cache, cached_property
 import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
-from kvq_lab.quant.reference import fp16_round_down, fp16_round_up
+from kvq_lab.quant.rounding import fp16_round_down, fp16_round_up
 from kvq_lab.quant.spec import QuantConfigError
 
 
@@ -63,6 +63,7 @@ class LUTFormat(CodeFormat):
     name: str = "lut"
     codebook: tuple[float, ...] | None = None
     supported_bits = (1, 2, 3, 4, 8)
+    default_bits = 2  # as int's, so `format=lut` changes the code values and nothing else
     params = ("scale", "zero")
 
     def __post_init__(self):
