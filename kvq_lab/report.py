@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvq_lab.anchors import BENCHMARKS, DEFAULT_MODEL, SOURCE, TASK_TO_BENCHMARK, paper_values, row_name
-from kvq_lab.results import load_records
+from kvq_lab.index import query
 
 # task -> [(metric, column title, per-sample field for a standard error)]
 TASK_METRICS: dict[str, list[tuple[str, str, str | None]]] = {
@@ -176,7 +176,7 @@ def build_rows(
 def load_rows(
     results_dir: str | Path, experiment: str, limit: int | None = None, paper_model: str = DEFAULT_MODEL
 ) -> list[Row]:
-    return build_rows(load_records(Path(results_dir)), experiment, limit=limit, paper_model=paper_model)
+    return build_rows(query(Path(results_dir)), experiment, limit=limit, paper_model=paper_model)
 
 
 def _fmt(x, digits: int = 2) -> str:

@@ -105,6 +105,42 @@ def new_run_dir(results_dir: Path, name: str) -> Path:
     raise RuntimeError(f"could not create a fresh run folder under {runs}")
 
 
+SIDECAR_MIN_ROWS = 64  # tables with more rows than this leave record.json for a Parquet file beside it
+
+
+def write_sidecars(run_dir: Path, artifacts: dict, prefix: str = "") -> dict:
+    """A copy of `artifacts` in which every large table (a dict with `columns` and `rows`) is written to
+    `<run_dir>/<path>.parquet` and replaced by `{"file", "columns", "n_rows"}`: record.json stays small (a probe
+    record's per-head table is thousands of rows). `read_table` reads either form."""
+    out = {}
+    for k, v in artifacts.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and set(v) == {"columns", "rows"} and len(v["rows"]) > SIDECAR_MIN_ROWS:
+            import pandas as pd
+
+            fname = f"{name}.parquet"
+            pd.DataFrame(v["rows"], columns=v["columns"]).to_parquet(Path(run_dir) / fname, index=False)
+            out[k] = {"file": fname, "columns": list(v["columns"]), "n_rows": len(v["rows"])}
+        elif isinstance(v, dict):
+            out[k] = write_sidecars(run_dir, v, prefix=f"{name}.")
+        else:
+            out[k] = v
+    return out
+
+
+def read_table(rec: dict, *keys: str) -> dict:
+    """The table at `rec["artifacts"][keys...]` as `{"columns", "rows"}`, inline or from its Parquet sidecar."""
+    t = rec["artifacts"]
+    for k in keys:
+        t = t[k]
+    if "file" not in t:
+        return t
+    import pandas as pd
+
+    df = pd.read_parquet(Path(rec["_path"]) / t["file"])
+    return {"columns": list(df.columns), "rows": df.astype(object).values.tolist()}
+
+
 def load_records(results_dir: Path) -> list[dict]:
     """Every record under `<results_dir>/runs`, oldest first; unreadable files are skipped with a note."""
     out = []
@@ -123,15 +159,14 @@ def is_dirty(rec: dict) -> bool:
     return str(rec.get("env", {}).get("git", "")).endswith("-dirty")
 
 
-def find_completed(results_dir: Path, run_key: str, allow_dirty: bool = False) -> tuple[dict | None, list[dict]]:
-    """-> (the newest successful record with this run key, or None; the successful ones passed over because they
-    were made from a dirty git tree and `allow_dirty` is false). Records of the same key still marked `running`
-    are stale when this is called under the row's claim: they are marked `died` on the way."""
-    mine = [r for r in load_records(results_dir) if r.get("run_key") == run_key]
-    for r in mine:
+def pick_completed(records: list[dict], allow_dirty: bool = False) -> tuple[dict | None, list[dict]]:
+    """Among the records of one run key (oldest first): -> (the newest successful one, or None; the successful ones
+    passed over because they were made from a dirty git tree and `allow_dirty` is false). Records still marked
+    `running` are stale when this is called under the row's claim: they are marked `died` on the way."""
+    for r in records:
         if r.get("status") == "running":
             mark_died(r)
-    ok = [r for r in mine if r.get("status") == "ok"]
+    ok = [r for r in records if r.get("status") == "ok"]
     usable = [r for r in ok if allow_dirty or not is_dirty(r)]
     return (usable[-1] if usable else None), [r for r in ok if r not in usable]
 

@@ -29,9 +29,10 @@ from kvq_lab.results import (
     Timer,
     WandbMirror,
     environment,
-    find_completed,
     new_run_dir,
+    pick_completed,
     write_json_atomic,
+    write_sidecars,
 )
 
 log = logging.getLogger("kvq_lab")
@@ -126,7 +127,10 @@ def run(cfg: DictConfig, sweep: str | None = None) -> dict[str, float]:
             return {}
         with claim:
             if cfg.get("resume", True):
-                done, dirty = find_completed(plan.results_dir, plan.run_key, allow_dirty=cfg.get("resume_dirty"))
+                from kvq_lab.index import query
+
+                same = query(plan.results_dir, {"run_key": plan.run_key})
+                done, dirty = pick_completed(same, allow_dirty=cfg.get("resume_dirty"))
                 if done is not None:
                     print(f"skip: a completed record of this run exists: {done['_path']}")
                     print(summary_line(plan, done["metrics"], Path(done["_path"])))
@@ -209,9 +213,9 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
     record.update(status="ok", metrics=metrics, timings=timer.t, finished=datetime.now().isoformat(timespec="seconds"))
     # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
     extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
-    if extras:
-        record["artifacts"] = extras
     try:
+        if extras:
+            record["artifacts"] = write_sidecars(run_dir, extras)
         if ctx.artifacts.get("samples"):
             write_json_atomic(run_dir / "samples.json", ctx.artifacts["samples"])
         record["wandb_dir"] = _mirror(cfg, record, run_dir, metrics, ctx.artifacts)

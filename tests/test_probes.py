@@ -17,6 +17,7 @@ from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import attention, layer_errors, quantize_kv, reference_output
 from kvq_lab.probes.metrics import sparsity, topk_mass
 from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.results import read_table
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -305,9 +306,10 @@ def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
     (run_dir,) = (tmp_path / "runs").iterdir()
     rec = json.loads((run_dir / "record.json").read_text())
     assert rec["status"] == "ok"
-    t = rec["artifacts"]["probe_tables"]["per_head"]
+    rec["_path"] = str(run_dir)
+    t = read_table(rec, "probe_tables", "per_head")
     assert len(t["rows"]) == 2 * 4 and t["columns"][:3] == ["layer", "head", "kv_head"]
-    assert rec["artifacts"]["probe_tables"]["per_layer"]["rows"][1][0] == 1
+    assert read_table(rec, "probe_tables", "per_layer")["rows"][1][0] == 1
     for name in rec["artifacts"]["probe_figures"]:
         assert (run_dir / name).stat().st_size > 1000
 

@@ -201,7 +201,9 @@ def record_matrix(rec: dict, column: str):
     """[L, heads] numpy matrix of one per-head column of a probe record (KV quantities: one column per KV head)."""
     import numpy as np
 
-    t = rec["artifacts"]["probe_tables"]["per_head"]
+    from kvq_lab.results import read_table
+
+    t = read_table(rec, "probe_tables", "per_head")
     cols = t["columns"]
     i, li, hi, ki = cols.index(column), cols.index("layer"), cols.index("head"), cols.index("kv_head")
     kv = column.split("/")[0] in KV_QUANTITIES

@@ -1,0 +1,88 @@
+"""Select run records by any config field, across experiments, and print them as one table.
+
+    python scripts/compare.py --where task.name=ppl --where key_axis=channel
+    python scripts/compare.py --where cache_config.key.bits=2 --metrics ppl/ppl --cols key_axis,value_axis
+    python scripts/compare.py experiments/bits experiments/group_size --where task.name=ppl --csv /tmp/rows.csv
+
+Folders: any results folders (default: results/ and every experiments/<name>/). --where FIELD=VALUE: a dotted path
+into the record; a bare name means config.<name> (key_axis = config.key_axis); VALUE is YAML (2, true, null,
+channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/ (kvq_lab.index,
+rebuilt from record.json files as needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clean clone without installing
+
+from kvq_lab.index import records_of  # noqa: E402
+
+TOP = ("status", "run_key", "experiment", "cache", "config", "cache_config", "metrics", "inputs", "env", "name")
+
+
+def parse_where(items: list[str]) -> dict:
+    where = {}
+    for item in items:
+        field, sep, raw = item.partition("=")
+        if not sep or not field:
+            raise SystemExit(f"error: --where {item!r} must be FIELD=VALUE, e.g. --where key_axis=channel")
+        if field.split(".")[0] not in TOP:
+            field = f"config.{field}"
+        values = [yaml.safe_load(v) for v in raw.split(",")] if "," in raw else yaml.safe_load(raw)
+        where[field] = values
+    return where
+
+
+def _get(rec: dict, dotted: str):
+    cur = rec
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="*", help="results folders (default: results/ and experiments/*/)")
+    ap.add_argument("--where", action="append", default=[], help="FIELD=VALUE (repeatable)")
+    ap.add_argument("--metrics", default=None, help="comma-separated metric names (default: all non-probe ones)")
+    ap.add_argument("--cols", default="experiment,cache,task.name,limit", help="config fields to show")
+    ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    args = ap.parse_args(argv)
+    dirs = args.dirs or ["results", *sorted(str(p) for p in Path("experiments").glob("*") if (p / "runs").is_dir())]
+    recs = records_of(dirs, parse_where(args.where))
+    if not recs:
+        print(f"no records match in {', '.join(dirs)}")
+        return 1
+    metrics = args.metrics.split(",") if args.metrics else list(
+        dict.fromkeys(k for r in recs for k in r.get("metrics", {}) if not k.startswith("probe/"))
+    )  # fmt: skip
+    cols = args.cols.split(",")
+    head = ["status", *cols, *metrics]
+    rows = []
+    for r in recs:
+        vals = [r.get("status")]
+        for c in cols:
+            vals.append(r.get(c) if c in ("experiment", "cache") else _get(r, f"config.{c}"))
+        vals += [r.get("metrics", {}).get(m) for m in metrics]
+        rows.append(["-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v)) for v in vals])
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"\n{len(rows)} records")
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            csv.writer(f).writerows([head, *rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The record index (kvq_lab/index.py) equals the records it is rebuilt from, follows every change, survives
+corruption; large tables go to Parquet sidecars; scripts/compare.py selects across folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers_models import REPO
+
+from kvq_lab import index
+from kvq_lab.results import load_records, read_table, write_sidecars
+
+
+def _write(root: Path, name: str, **rec) -> Path:
+    d = root / "runs" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "record.json").write_text(json.dumps(rec))
+    return d
+
+
+def _cfg(ka="channel", kb=2, task="ppl", probe=False):
+    return {"key_axis": ka, "key_bits": kb, "task": {"name": task}, "probe": probe, "limit": None}
+
+
+def test_index_equals_the_records_and_follows_changes(tmp_path):
+    _write(tmp_path, "20261130-000001_a", status="ok", run_key="k1", config=_cfg(), metrics={"ppl/ppl": 20.0})
+    _write(tmp_path, "20261130-000002_b", status="failed", run_key="k2", config=_cfg("token", 3), experiment="e")
+    _write(tmp_path, "20261130-000003_c", status="ok", run_key="k3", config=_cfg("token", 2, "coqa", True))
+    (tmp_path / "runs" / "20261130-000004_empty").mkdir()  # a folder without a record is not a run
+    assert index.query(tmp_path) == load_records(tmp_path)  # built from scratch
+    assert (tmp_path / index.INDEX).exists()
+
+    # selection by any field: top-level columns, dotted config paths, lists, booleans
+    assert [r["run_key"] for r in index.query(tmp_path, {"config.key_axis": "token"})] == ["k2", "k3"]
+    assert [r["run_key"] for r in index.query(tmp_path, {"config.key_bits": [2], "status": "ok"})] == ["k1", "k3"]
+    assert [r["run_key"] for r in index.query(tmp_path, {"config.probe": True})] == ["k3"]
+    assert [r["run_key"] for r in index.query(tmp_path, {"experiment": "e"})] == ["k2"]
+    assert index.query(tmp_path, {"config.task.name": "nope"}) == []
+
+    # a changed, a new and a deleted record are all seen at the next query
+    d = _write(tmp_path, "20261130-000002_b", status="ok", run_key="k2", config=_cfg("token", 3), experiment="e")
+    _write(tmp_path, "20261130-000005_d", status="ok", run_key="k5", config=_cfg())
+    (tmp_path / "runs" / "20261130-000001_a" / "record.json").unlink()
+    assert index.query(tmp_path) == load_records(tmp_path)
+    assert index.query(tmp_path, {"run_key": "k2"})[0]["status"] == "ok" and d.exists()
+    assert [r["run_key"] for r in index.query(tmp_path)] == ["k2", "k3", "k5"]
+
+
+def test_a_corrupt_index_is_rebuilt(tmp_path):
+    _write(tmp_path, "20261130-000001_a", status="ok", run_key="k1", config=_cfg())
+    index.query(tmp_path)
+    (tmp_path / index.INDEX).write_bytes(b"this is not a database" * 100)
+    for extra in ("-wal", "-shm"):
+        Path(f"{tmp_path / index.INDEX}{extra}").unlink(missing_ok=True)
+    assert [r["run_key"] for r in index.query(tmp_path)] == ["k1"]
+
+
+def test_large_tables_go_to_a_parquet_sidecar(tmp_path):
+    big = {"columns": ["layer", "head", "err"], "rows": [[i // 9, i % 9, i / 7] for i in range(300)]}
+    small = {"columns": ["layer", "err"], "rows": [[0, 0.5], [1, 0.25]]}
+    art = {"probe_tables": {"n_prompts": 2, "per_head": big, "per_layer": small}, "note": "x"}
+    out = write_sidecars(tmp_path, art)
+    assert out["probe_tables"]["per_head"] == {"file": "probe_tables.per_head.parquet", "columns": big["columns"],
+                                               "n_rows": 300}  # fmt: skip
+    assert out["probe_tables"]["per_layer"] == small and out["note"] == "x"
+    rec = {"artifacts": out, "_path": str(tmp_path)}
+    assert read_table(rec, "probe_tables", "per_head") == big
+    assert read_table(rec, "probe_tables", "per_layer") == small
+    assert len(json.dumps(out)) < 300  # record.json stays small
+
+
+def test_compare_selects_across_folders(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _write(a, "20261130-000001_x", status="ok", run_key="k1", config=_cfg("channel"), metrics={"ppl/ppl": 21.5})
+    _write(b, "20261130-000002_y", status="ok", run_key="k2", config=_cfg("token"), metrics={"ppl/ppl": 212.0})
+    _write(b, "20261130-000003_z", status="ok", run_key="k3", config=_cfg("token", task="coqa"), metrics={})
+    cmd = [sys.executable, str(REPO / "scripts" / "compare.py"), str(a), str(b), "--where", "task.name=ppl",
+           "--cols", "key_axis,key_bits"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "| ok | channel | 2 | 21.5 |" in out and "| ok | token | 2 | 212 |" in out and "2 records" in out
+    out = subprocess.run([*cmd, "--where", "key_axis=token,nothing"], capture_output=True, text=True).stdout
+    assert "1 records" in out
