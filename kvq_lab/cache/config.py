@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
+from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
+from kvq_lab.quant.transforms import all as _transforms  # noqa: F401  (registers the built-in transforms)
 
 MODES = ("simulated", "packed")
 ROPE = ("post", "pre")
@@ -22,7 +24,9 @@ class CacheConfig:
     residual_length: R, the full-precision window of the packed cache (a multiple of the key group size).
     sink_tokens: the first N tokens of every sequence are kept in full precision (both modes).
     rope: `post` quantizes keys after RoPE (KIVI); `pre` quantizes them before RoPE and re-rotates the
-        dequantized keys at their positions (KVQuant).
+        dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
+    key_transform, value_transform: transforms around each quantizer (`kvq_lab.quant.transforms`), canonical
+        spellings in order, e.g. ("rope_pre", "hadamard"); a name, `none` or a list is accepted and normalised.
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
@@ -32,6 +36,8 @@ class CacheConfig:
     sink_tokens: int = 0
     rope: str = "post"
     backend: str = "auto"
+    key_transform: tuple[str, ...] = ()
+    value_transform: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -40,6 +46,12 @@ class CacheConfig:
             raise QuantConfigError(
                 f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)"
             )
+        kt = check_transforms(self.key_transform, "key", "key_transform")
+        if self.rope == "pre" and "rope_pre" not in kt:
+            kt = ("rope_pre", *kt)  # rope=pre is the alias; rope_pre must come first, so it goes first
+        object.__setattr__(self, "key_transform", kt)
+        object.__setattr__(self, "value_transform", check_transforms(self.value_transform, "value", "value_transform"))
+        object.__setattr__(self, "rope", "pre" if "rope_pre" in kt else "post")  # one config, however it was spelled
         if self.backend not in BACKENDS:
             raise QuantConfigError(f"backend={self.backend!r}; allowed: {', '.join(BACKENDS)}")
         for name in ("residual_length", "sink_tokens"):
@@ -61,10 +73,24 @@ class CacheConfig:
     def check_head_dim(self, head_dim: int) -> None:
         self.key.check_head_dim(head_dim, "group_size (keys)")
         self.value.check_head_dim(head_dim, "group_size (values)")
+        check_head_dim(self.key_transform, head_dim, "key_transform")
+        check_head_dim(self.value_transform, head_dim, "value_transform")
+
+    def pipelines(self) -> tuple[Pipeline | None, Pipeline | None]:
+        """(keys, values): the transforms each tensor's quantizer is wrapped in, None where none applies (a 16-bit
+        quantizer drops those that would only add rounding, e.g. rope_pre)."""
+        return (
+            build_pipeline(self.key_transform, not self.key.is_identity),
+            build_pipeline(self.value_transform, not self.value.is_identity),
+        )
 
     def label(self) -> str:
-        """e.g. `K2b-C32_V2b-T32_sim`."""
+        """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
         extra = f"_R{self.residual_length}" if self.mode == "packed" else ""
         extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
         extra += "_preRoPE" if self.rope == "pre" else ""
+        for tag, spellings in (("K", self.key_transform), ("V", self.value_transform)):
+            # rope_pre shows as `_preRoPE` above, the label rope=pre has always had
+            shown = [get_transform(s).label for s in spellings if s != "rope_pre"]
+            extra += f"_{tag}{'+'.join(shown)}" if shown else ""
         return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"

@@ -1,18 +1,19 @@
-"""RoPE bookkeeping for pre-RoPE key quantization, without forking the model's attention.
+"""Positions for position-dependent transforms (`rope_pre`), without forking the model's attention.
 
-Llama-style attention rotates keys (`k' = k*cos + rotate_half(k)*sin`) before calling `cache.update`, and
-passes `position_ids` through to it. The cache recomputes cos/sin with the model's own rotary module, undoes
-the rotation to store pre-RoPE keys, and rotates dequantized keys back at their true positions.
+Llama-style attention rotates keys (`k' = k*cos + rotate_half(k)*sin`) before calling `cache.update`, and passes
+`position_ids` through to it. The cache recomputes cos/sin with the model's own rotary module at those positions
+(`RopeHelper.positions`), so the `rope_pre` transform (`kvq_lab.quant.transforms.rope_pre`, the arithmetic) can undo
+the rotation to store pre-RoPE keys and rotate dequantized keys back at their true positions.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvq_lab.quant.transforms import Positions
+from kvq_lab.quant.transforms.rope_pre import rotate, rotate_half, unrotate
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+__all__ = ["RopeHelper", "position_ids_from", "positions_for", "rotate_half"]
 
 
 class RopeHelper:
@@ -27,17 +28,18 @@ class RopeHelper:
             cos, sin = self.rotary_emb(like.float(), position_ids)
         return cos.float().unsqueeze(1), sin.float().unsqueeze(1)
 
-    @staticmethod
-    def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """k [B, H, T, D] pre-RoPE -> post-RoPE (in k's dtype), the attention layer's own formula."""
-        kf = k.float()
-        return (kf * cos + rotate_half(kf) * sin).to(k.dtype)
+    def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
+        """`Positions` of tokens at position_ids [B, T] (like: any tensor on the target device)."""
+        return Positions(position_ids, *self.cos_sin(like, position_ids))
 
-    @staticmethod
-    def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Inverse of `rotate`: R^T k / |R|^2, exact for any attention scaling folded into cos/sin."""
-        kf = k.float()
-        return ((kf * cos - rotate_half(kf) * sin) / (cos * cos + sin * sin)).to(k.dtype)
+    # the rope_pre transform's arithmetic, under the names this helper has always had
+    rotate = staticmethod(rotate)
+    unrotate = staticmethod(unrotate)
+
+
+def positions_for(rope: RopeHelper | None, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
+    """Positions with cos/sin where the model has RoPE (`rope`), else position ids alone."""
+    return rope.positions(like, position_ids) if rope is not None else Positions(position_ids)
 
 
 def position_ids_from(kwargs: dict, batch: int, start: int, length: int, device) -> torch.Tensor:

@@ -1,0 +1,234 @@
+"""Transforms around the quantizer: maps applied to a tensor before it is quantized and undone after dequantization
+(or folded into attention). One implementation, used by simulated mode, packed mode and the probes.
+
+A transform acts on keys or values x [B, H, T, D] of one layer:
+
+    x_t = forward(x, pos)              what the quantizer sees
+    x'  = inverse(deq(x_t), pos)       what attention sees (deq: quantize, then dequantize)
+
+`pos` (`Positions`) says where the T tokens sit, for position-dependent transforms (`rope_pre` needs the cos/sin the
+model's RoPE rotated the keys with); the others ignore it. Arithmetic is fp32; results come back in x's dtype.
+
+Folding into attention: a transform that is an orthogonal map M of the head dimension, the same at every position
+(`foldable`), need not be undone token by token. Keys: (q M)·(k M) = q·k, so the query is mapped with `forward` once
+per decode step and the stored keys are read as they are. Values: A (v M) = (A v) M, so the attention output is
+mapped back with `inverse` once per step. The packed cache does this around its fused kernels (which take plain
+tensors and know nothing of transforms); a pipeline that is not foldable is undone on the dequantized tensor.
+
+Transforms compose: a list is applied in order and undone in reverse (`Pipeline`). Tokens that are never quantized
+(sinks) are never transformed, except where attention runs in a foldable pipeline's basis (the packed cache maps its
+exact sinks into it for the kernel, and keeps them exact).
+
+Spelling (the run config's `key_transform` / `value_transform`): `name` or `name:arg`, where `arg` is the
+transform's one option (`hadamard:64`: blocks of 64 channels). A list composes: `key_transform=[rope_pre,hadamard]`.
+
+Registered transforms (`kvq_lab.quant.transforms.all` imports them):
+    rope_pre   keys only: undo the model's RoPE so keys are quantized before rotation, re-rotate after (KVQuant)
+    hadamard   a fixed orthonormal Hadamard rotation of the head dim, whole or in blocks (QuaRot)
+
+This module imports neither torch nor its plugins: plugins register themselves when imported, `transforms/all.py` is
+the one place that imports them, and config validation (torch-free) reads the registry. Plugin modules therefore
+import torch inside their functions. See README.md, "Adding a format / transform / policy", for a new transform.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+from kvq_lab.quant.spec import QuantConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+TENSORS = ("key", "value")
+NONE = "none"  # the spelling of "no transform" in the run config
+
+TRANSFORMS: dict[str, type[Transform]] = {}
+
+
+class Positions(NamedTuple):
+    """Where the T tokens of a [B, H, T, D] tensor sit, for position-dependent transforms.
+
+    ids: [B, T] position ids (what the model's attention rotated the keys at).
+    cos, sin: [B, 1, T, D] fp32, the RoPE rotation at those positions (broadcast over heads), or None for a model
+        without RoPE (`kvq_lab.cache.rope.RopeHelper.positions` computes them with the model's rotary module).
+    """
+
+    ids: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def take(self, rows, t: slice) -> Positions:
+        """The positions of batch rows `rows` (slice or index list) and tokens `t`."""
+        f = None if self.cos is None else (lambda c: c[rows, :, t])
+        return Positions(self.ids[rows, t], f and f(self.cos), f and f(self.sin))
+
+    def cat(self, later: Positions) -> Positions:
+        """These positions followed by `later`'s, along tokens."""
+        import torch
+
+        if self.cos is None:
+            return Positions(torch.cat([self.ids, later.ids], 1))
+        ids = torch.cat([self.ids, later.ids], 1)
+        return Positions(ids, torch.cat([self.cos, later.cos], 2), torch.cat([self.sin, later.sin], 2))
+
+
+class Transform(ABC):
+    """One map of a [B, H, T, D] tensor around its quantizer (see the module docstring).
+
+    Subclasses are frozen dataclasses registered with `register_transform`; their fields are their options, and the
+    class attributes below declare what the cache and validation need to know:
+        tensors           which tensors it may wrap ("key", "value")
+        positional        forward/inverse read `Positions` (the cache records positions for it)
+        foldable          an orthogonal map of the head dim, the same at every position: attention may run in its
+                          basis (query mapped with `forward`, output mapped back with `inverse`)
+        first             must see the tensor as the model made it (it undoes something the model did)
+        skip_unquantized  dropped around a 16-bit (identity) quantizer, where it would only add rounding
+    """
+
+    name: ClassVar[str] = ""  # set by `register_transform`
+    tensors: ClassVar[tuple[str, ...]] = TENSORS
+    positional: ClassVar[bool] = False
+    foldable: ClassVar[bool] = False
+    first: ClassVar[bool] = False
+    skip_unquantized: ClassVar[bool] = False
+
+    @classmethod
+    def parse(cls, arg: str | None) -> Transform:
+        """The transform from the argument of its spelling (`hadamard:64` -> "64"; None without one)."""
+        if arg is not None:
+            raise QuantConfigError(f"{cls.name}:{arg} gives an argument, but {cls.name} takes none; write {cls.name}")
+        return cls()
+
+    @property
+    def spelling(self) -> str:
+        """How the run config writes this transform (`get_transform(t.spelling) == t`)."""
+        return self.name
+
+    @property
+    def label(self) -> str:
+        """Short name in cache labels (`_Khad`)."""
+        return self.name
+
+    def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (most transforms act on any head dim)
+        """Raise a one-line QuantConfigError if the transform cannot act on heads of `head_dim` channels."""
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
+        """x [B, H, T, D] -> what the quantizer sees, [B, H, T, D] in x's dtype."""
+
+    @abstractmethod
+    def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
+        """Undo `forward`: inverse(forward(x)) == x up to fp32 rounding. [B, H, T, D] in x's dtype."""
+
+
+def register_transform(name: str):
+    """Class decorator: make `name` (the spelling in the run config) resolve to the decorated `Transform`."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == NONE:
+        raise ValueError(f"transform name {name!r} must be lower-case letters, digits and '_' (and not {NONE!r})")
+
+    def decorate(cls: type[Transform]) -> type[Transform]:
+        old = TRANSFORMS.get(name)
+        # importlib.reload re-registers the same class under a new identity
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"transform name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        TRANSFORMS[name] = cls
+        return cls
+
+    return decorate
+
+
+@cache
+def get_transform(spelling: str) -> Transform:
+    """The transform a spelling names (`hadamard`, `hadamard:64`, `rope_pre`), with one-line errors that start
+    with the spelling (callers prefix the setting's name: `key_transform=`)."""
+    name, _, arg = spelling.partition(":")
+    if name not in TRANSFORMS:
+        if not TRANSFORMS:
+            raise QuantConfigError(f"{spelling!r}: no transform is registered; import kvq_lab.quant.transforms.all")
+        raise QuantConfigError(
+            f"{spelling!r} is not a registered transform; allowed: {', '.join([NONE, *sorted(TRANSFORMS)])}"
+        )
+    return TRANSFORMS[name].parse(arg if ":" in spelling else None)
+
+
+def check_transforms(spellings, tensor: str, knob: str) -> tuple[str, ...]:
+    """Validated, canonical spellings of one tensor's transforms, from a name, `none`, or a list of names.
+
+    knob: the setting's name in error messages (e.g. `key_transform`). Raises a one-line QuantConfigError for an
+    unknown name, a transform that does not apply to `tensor`, one listed twice, or one that must come first.
+    """
+    items = [spellings] if isinstance(spellings, str) else list(spellings or ())
+    if items == [NONE]:
+        return ()
+    out = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or s == NONE:
+            shown = f"{knob}={s!r}" if len(items) == 1 else f"{knob}[{i}]={s!r}"
+            raise QuantConfigError(
+                f"{shown}: give transform names ({', '.join(sorted(TRANSFORMS))}), a list of them, or {NONE} alone"
+            )
+        try:
+            t = get_transform(s)
+        except QuantConfigError as e:
+            raise QuantConfigError(f"{knob}={e}") from None
+        if tensor not in t.tensors:
+            which = " and ".join(x + "s" for x in t.tensors)
+            raise QuantConfigError(f"{knob}={s}: {t.name} transforms {which} only; remove it from {knob}")
+        if t.first and i:
+            order = ",".join([s, *(x for x in items if x != s)])
+            raise QuantConfigError(f"{knob}: {t.name} must come first (it undoes what the model did); write [{order}]")
+        if t.name in (get_transform(x).name for x in out):
+            raise QuantConfigError(f"{knob} lists {t.name} twice; give each transform once")
+        out.append(t.spelling)
+    return tuple(out)
+
+
+def check_head_dim(spellings: tuple[str, ...], head_dim: int, knob: str) -> None:
+    """Each transform can act on heads of `head_dim` channels (one-line QuantConfigError naming the knob)."""
+    for s in spellings:
+        try:
+            get_transform(s).check_head_dim(head_dim)
+        except QuantConfigError as e:
+            raise QuantConfigError(f"{knob}={s}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Transforms applied in order before the quantizer and undone in reverse after it. x: [B, H, T, D]."""
+
+    transforms: tuple[Transform, ...]
+
+    @property
+    def positional(self) -> bool:
+        """Some transform reads `Positions`."""
+        return any(t.positional for t in self.transforms)
+
+    @property
+    def foldable(self) -> bool:
+        """Every transform folds into attention, so the whole pipeline does (query: `forward`, output: `inverse`)."""
+        return all(t.foldable for t in self.transforms)
+
+    def forward(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
+        for t in self.transforms:
+            x = t.forward(x, pos)
+        return x
+
+    def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
+        for t in reversed(self.transforms):
+            x = t.inverse(x, pos)
+        return x
+
+
+def build_pipeline(spellings: tuple[str, ...], quantized: bool = True) -> Pipeline | None:
+    """The pipeline of validated spellings (`check_transforms`), or None when nothing is left to apply.
+
+    quantized=False (a 16-bit, identity quantizer): transforms that declare `skip_unquantized` are dropped.
+    """
+    ts = tuple(t for t in map(get_transform, spellings) if quantized or not t.skip_unquantized)
+    return Pipeline(ts) if ts else None

@@ -1,0 +1,6 @@
+"""Imports every transform so that each registers itself in `kvq_lab.quant.transforms.TRANSFORMS`.
+
+The one place that knows the plugins: a new transform adds its import here.
+"""
+
+from kvq_lab.quant.transforms import hadamard, rope_pre  # noqa: F401  (imported for their registration)

@@ -1,0 +1,96 @@
+"""`hadamard`: a fixed orthonormal Hadamard rotation of the head dimension (QuaRot, Ashkboos et al. 2024; the
+incoherence processing of QuIP#).
+
+    x_t = x H_n / sqrt(n)       per token, on each block of n consecutive channels (n = D, or the stated block)
+
+H_n is Sylvester's Hadamard matrix (H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]]), so n is a power of two. H_n/sqrt(n)
+is symmetric and orthonormal, hence its own inverse: `inverse` is `forward`. A rotation spreads an outlier channel's
+energy over all n channels of its block, so per-token groups no longer carry one huge channel, and keeps q·k (rotate
+the query too) and A V (rotate the output back): attention can fold it (`foldable`).
+
+Arithmetic: the fast Walsh-Hadamard transform, log2(n) butterfly stages (a, b) -> (a + b, a - b) in fp32, then one
+multiplication by n^-1/2. Elementwise, so each output depends on its own token only and comes out bit for bit the
+same whatever the batch, head or token count (no matmul blocking): simulated and packed modes agree exactly.
+
+Spelling: `hadamard` rotates the whole head dim (a power of two: 64, 128); `hadamard:<n>` rotates blocks of n
+channels (a power of two dividing the head dim, e.g. `hadamard:32` for head_dim 96).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvq_lab.quant.spec import QuantConfigError
+from kvq_lab.quant.transforms import Transform, register_transform
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def fwht(x, n: int):
+    """Unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n channels: x [..., D] fp32,
+    D a multiple of n -> [..., D] fp32 = x H_n blockwise."""
+    import torch
+
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // n, n)
+    h = 1
+    while h < n:
+        # pairs (i, i + h) within each run of 2h channels: (a, b) -> (a + b, a - b)
+        y = y.view(y.shape[0], y.shape[1], n // (2 * h), 2, h)
+        a, b = y.unbind(3)
+        y = torch.stack((a + b, a - b), 3).view(y.shape[0], y.shape[1], n)
+        h *= 2
+    return y.view(shape)
+
+
+@register_transform("hadamard")
+@dataclass(frozen=True)
+class Hadamard(Transform):
+    """x -> x H_n / sqrt(n) on blocks of n channels (n = `block`, or the whole head dim); see the module docstring."""
+
+    block: int | None = None  # None: the whole head dim
+
+    foldable = True
+
+    @classmethod
+    def parse(cls, arg):
+        if arg is None:
+            return cls()
+        n = int(arg) if arg.isdigit() else 0
+        if not _is_pow2(n) or n < 2:
+            raise QuantConfigError(
+                f"hadamard:{arg} has a block that is not a power of two >= 2 (e.g. hadamard:32); write hadamard "
+                "alone to rotate the whole head dim"
+            )
+        return cls(n)
+
+    @property
+    def spelling(self) -> str:
+        return "hadamard" if self.block is None else f"hadamard:{self.block}"
+
+    @property
+    def label(self) -> str:
+        return "had" if self.block is None else f"had{self.block}"
+
+    def check_head_dim(self, head_dim: int) -> None:
+        p = head_dim & -head_dim  # the largest power of two dividing head_dim
+        if self.block is None and not _is_pow2(head_dim):
+            raise QuantConfigError(
+                f"hadamard needs a power-of-two head dim, not {head_dim}; rotate blocks instead: hadamard:{p}"
+            )
+        if self.block is not None and head_dim % self.block:
+            raise QuantConfigError(
+                f"block {self.block} does not divide head_dim={head_dim}; use a power of two dividing it, e.g. "
+                f"hadamard:{p}"
+            )
+
+    def forward(self, x, pos=None):
+        D = x.shape[-1]
+        n = self.block or D
+        if D % n or not _is_pow2(n):
+            raise ValueError(f"{self.spelling} cannot rotate a head dim of {D} (blocks of a power of two dividing it)")
+        return (fwht(x.float(), n) * n**-0.5).to(x.dtype)
+
+    inverse = forward  # H_n / sqrt(n) is symmetric and orthonormal: its own inverse
