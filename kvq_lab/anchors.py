@@ -51,8 +51,23 @@ def _axis(config: dict, name: str) -> str:
     return {"token": "T", "channel": "C"}[config.get(name, "token")]
 
 
+def _nonint(config: dict) -> list[str]:
+    """What puts a setting outside KIVI's recipe besides the knobs above: code formats other than `int` and
+    transforms other than rope_pre (the field names of `report.cache_fields`)."""
+    out = []
+    for t in ("key", "value"):
+        fmt = config.get(f"{t}_format", "int")
+        if fmt != "int":
+            out.append(f"{t}s {fmt}")
+        extra = [x for x in config.get(f"{t}_transform") or () if x != "rope_pre"]
+        if extra:
+            out.append(f"{t}s {'+'.join(extra)}")
+    return out
+
+
 def row_name(config: dict) -> str:
-    """The paper's way of naming a setting: `16bit`, `4bit (K-T, V-T)`, `2bit (K-C, V-T)`, `K3/V2 (K-C, V-T)`."""
+    """The paper's way of naming a setting: `16bit`, `4bit (K-T, V-T)`, `2bit (K-C, V-T)`, `K3/V2 (K-C, V-T)`.
+    `config`: the cache fields of a record (`report.cache_fields`) or a run config's flat knobs."""
     kb, vb = _bits(config)
     if kb >= 16 and vb >= 16:
         name = "16bit"
@@ -68,6 +83,7 @@ def row_name(config: dict) -> str:
         extras.append("pre-RoPE keys")
     if config.get("sink_tokens"):
         extras.append(f"{config['sink_tokens']} sinks")
+    extras += _nonint(config)
     return name + (f", {', '.join(extras)}" if extras else "")
 
 
@@ -76,7 +92,7 @@ def paper_values(config: dict, model: str = DEFAULT_MODEL) -> dict[str, float]:
     kb, vb = _bits(config)
     ka, va = config.get("key_axis"), config.get("value_axis")
     g, r = config.get("group_size", 32), config.get("residual_length", 0)
-    plain = config.get("rope", "post") == "post" and not config.get("sink_tokens")
+    plain = config.get("rope", "post") == "post" and not config.get("sink_tokens") and not _nonint(config)
     if not plain:
         return {}
     if config.get("mode", "simulated") == "simulated":

@@ -1,11 +1,11 @@
 """Experiment tables and figures from run records: ours beside the paper's (scripts/make_table.py, notebooks/).
 
-One row per cache setting (`record["cache"]`, e.g. `K2b-C32_V2b-T32_sim`) of an experiment
+One row per cache setting (the record's structured `cache_config`, see `cache_fields`) of an experiment
 (`record["experiment"]` / `config.experiment_name`); one column group per task measured. For each (row, task)
 the record covering the most documents wins (a full run over a `limit=` one), the newest among equals. A row
 with no successful record shows why: `failed: <error>` or `incomplete` (a run that was killed or is running).
 Error-probe columns (`probe/...` metrics, from `task=probe` or `probe=true` runs) are joined by cache label and
-model; the paper column comes from `kvq_lab.anchors`.
+model; the paper column comes from `kvq_lab.anchors`. The label (e.g. `K2b-C32_V2b-T32_sim`) is only displayed.
 """
 
 from __future__ import annotations
@@ -54,12 +54,53 @@ class Cell:
 
 @dataclass
 class Row:
-    cache: str
+    cache: str  # the cache label, for display
     name: str
-    config: dict
+    config: dict  # the chosen record's run config
+    fields: dict = field(default_factory=dict)  # cache_fields of the row
     cells: dict[str, Cell] = field(default_factory=dict)  # task -> cell
     probes: dict = field(default_factory=dict)
     paper: dict = field(default_factory=dict)
+
+
+def cache_fields(rec: dict) -> dict:
+    """The cache a record measured, as flat fields (key_bits, value_bits, key_axis, value_axis, group_size, mode,
+    residual_length, sink_tokens, rope, key_format, value_format, key_transform, value_transform): from the
+    structured `cache_config` the runner records, or, for records made before it existed, from the run config's
+    knobs. Rows, their names and the paper column are built from these fields, never from the label string."""
+    cc = rec.get("cache_config")
+    if cc:
+        k, v = cc["key"], cc["value"]
+        return {
+            "key_bits": k["bits"], "value_bits": v["bits"], "key_axis": k["axis"], "value_axis": v["axis"],
+            "group_size": k["group_size"], "mode": cc["mode"], "residual_length": cc["residual_length"],
+            "sink_tokens": cc["sink_tokens"], "rope": cc.get("rope", "post"),
+            "key_format": k.get("format", "int"), "value_format": v.get("format", "int"),
+            "key_transform": list(cc.get("key_transform") or []),
+            "value_transform": list(cc.get("value_transform") or []),
+        }  # fmt: skip
+    c = rec.get("config", {})
+    kb = c.get("bits") if c.get("bits") is not None else c.get("key_bits", 16)
+    vb = c.get("bits") if c.get("bits") is not None else c.get("value_bits", 16)
+    return {
+        "key_bits": kb, "value_bits": vb, "key_axis": c.get("key_axis", "token"),
+        "value_axis": c.get("value_axis", "token"), "group_size": c.get("group_size", 32),
+        "mode": c.get("mode", "simulated"), "residual_length": c.get("residual_length", 0),
+        "sink_tokens": c.get("sink_tokens", 0), "rope": c.get("rope", "post"), "key_format": "int",
+        "value_format": "int", "key_transform": ["rope_pre"] if c.get("rope") == "pre" else [], "value_transform": [],
+    }  # fmt: skip
+
+
+def _row_key(rec: dict) -> str:
+    """One row per cache: the fields above (16-bit tensors ignore their axis and group size, as the label does)."""
+    f = cache_fields(rec)
+    for t in ("key", "value"):
+        if f[f"{t}_bits"] >= 16:  # an identity quantizer: axis, format and transforms change nothing
+            f[f"{t}_axis"] = f[f"{t}_format"] = None
+            f[f"{t}_transform"] = []
+    if f["key_bits"] >= 16 and f["value_bits"] >= 16:
+        f["group_size"] = None
+    return json.dumps(f, sort_keys=True)
 
 
 def _experiment(rec: dict) -> str | None:
@@ -100,10 +141,10 @@ def _stderr(run_dir: str, metrics: list[tuple[str, str, str | None]]) -> dict[st
 
 
 def _sort_key(row: Row):
-    c = row.config
+    c = row.fields
 
     def bits(k):
-        return c.get("bits") or c.get(k, 16)
+        return c.get(k, 16)
 
     return (
         c.get("mode") != "simulated",
@@ -131,10 +172,10 @@ def build_rows(
         recs = [r for r in recs if r.get("config", {}).get("limit") == limit]
     rows: dict[str, Row] = {}
     for r in recs:
-        label = r.get("cache") or "?"
-        rows.setdefault(label, Row(label, row_name(r["config"]), r["config"]))
-    for label, row in rows.items():
-        mine = [r for r in recs if r.get("cache") == label]
+        f = cache_fields(r)
+        rows.setdefault(_row_key(r), Row(r.get("cache") or "?", row_name(f), r["config"], f))
+    for key, row in rows.items():
+        mine = [r for r in recs if _row_key(r) == key]
         for task in dict.fromkeys(_task(r) for r in mine):
             of_task = [r for r in mine if _task(r) == task]  # oldest first (load_records sorts by folder name)
             ok = [r for r in of_task if r.get("status") == "ok"]
@@ -160,23 +201,40 @@ def build_rows(
                     path=last["_path"],
                     limit=last.get("config", {}).get("limit"),
                 )
-        row.paper = paper_values(row.config, paper_model)
-    # probes: any successful record with probe metrics, same cache label and model (newest wins)
+        row.paper = paper_values(row.fields, paper_model)
+    # probes: any successful record with probe metrics, same cache and model (newest wins)
     pool = probe_records if probe_records is not None else records
-    for row in rows.values():
+    for key, row in rows.items():
         model = _model({"config": row.config})
         for r in pool:
-            if r.get("status") == "ok" and r.get("cache") == row.cache and _model(r) == model:
+            if r.get("status") == "ok" and _row_key(r) == key and _model(r) == model:
                 got = {k: v for k, v in r.get("metrics", {}).items() if k.startswith("probe/")}
                 if got:
                     row.probes = got
     return sorted(rows.values(), key=_sort_key)
 
 
+def probe_folders(results_dir: str | Path) -> list[Path]:
+    """Where probe records for a table are looked for: the table's own folder, `results/` and every saved study
+    (`experiments/<name>/`: error_geometry's probe runs serve every axis table), relative to the working dir."""
+    dirs = [
+        Path(results_dir),
+        Path("results"),
+        *sorted(p for p in Path("experiments").glob("*") if (p / "runs").is_dir()),
+    ]
+    return list(dict.fromkeys(d.resolve() for d in dirs if (d / "runs").is_dir()))
+
+
 def load_rows(
     results_dir: str | Path, experiment: str, limit: int | None = None, paper_model: str = DEFAULT_MODEL
 ) -> list[Row]:
-    return build_rows(query(Path(results_dir)), experiment, limit=limit, paper_model=paper_model)
+    probes = [
+        r
+        for d in probe_folders(results_dir)
+        for r in query(d)
+        if any(k.startswith("probe/") for k in r.get("metrics", {}))
+    ]
+    return build_rows(query(Path(results_dir)), experiment, limit=limit, paper_model=paper_model, probe_records=probes)
 
 
 def _fmt(x, digits: int = 2) -> str:

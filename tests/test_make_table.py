@@ -77,3 +77,28 @@ def test_cli_prints_and_writes_table_and_png(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "make_table.py"), "nope", "--results-dir",
                         str(results), "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 1 and "no records" in p.stdout
+
+
+def test_rows_come_from_the_structured_cache_config_not_the_label(tmp_path):
+    """A record with `cache_config` is placed by its fields: a misleading label changes nothing, a new format or
+    transform makes its own row, named, and without a paper column."""
+    from helpers_records import config, write_record
+
+    def cc(kbits, kaxis, fmt="int", kt=()):
+        return {"key": {"bits": kbits, "group_size": 32, "axis": kaxis, "format": fmt},
+                "value": {"bits": 2, "group_size": 32, "axis": "token", "format": "int"}, "mode": "simulated",
+                "residual_length": 0, "sink_tokens": 0, "rope": "post", "backend": "auto",
+                "key_transform": list(kt), "value_transform": []}  # fmt: skip
+
+    res = tmp_path / "r"
+    base = {"status": "ok", "experiment": "x", "config": config(2, 2, "token", "token", experiment="x")}
+    write_record(res, "1_a", {**base, "cache": "LABEL-IS-WRONG", "cache_config": cc(2, "channel"),
+                              "metrics": {"coqa_turns/f1": 50.0}})  # fmt: skip
+    write_record(res, "2_b", {**base, "cache": "K2b-C32_V2b-T32_sim", "cache_config": cc(2, "channel", kt=["hadamard"]),
+                              "metrics": {"coqa_turns/f1": 51.0}})  # fmt: skip
+    write_record(res, "3_c", {**base, "cache": "x", "cache_config": cc(8, "token", fmt="fp8_e4m3"),
+                              "metrics": {"coqa_turns/f1": 52.0}})  # fmt: skip
+    rows = {r.name: r for r in build_rows(load_records(res), "x")}
+    assert set(rows) == {"2bit (K-C, V-T)", "2bit (K-C, V-T), keys hadamard", "K8/V2bit (K-T, V-T), keys fp8_e4m3"}
+    assert rows["2bit (K-C, V-T)"].paper["CoQA"] == 63.53  # from the fields (K-C), not the flat knobs (K-T)
+    assert rows["2bit (K-C, V-T), keys hadamard"].paper == {} and rows["K8/V2bit (K-T, V-T), keys fp8_e4m3"].paper == {}
