@@ -5,6 +5,18 @@ values are kept alongside, so nothing is lost between steps. Each token is quant
 belongs to by position (groups aligned at the first non-sink token). A per-channel group that is not yet
 full is zero-padded (as KIVI's fake quant) and requantized as tokens join it; full groups are final and
 never recomputed, so a decode step costs one group, not the whole history.
+
+Left-padded batches: row b's first `p_b` positions are padding. Each row has its own streams, run on its real
+tokens only (positions p_b onwards), so sinks are the row's first `sink_tokens` real tokens, per-channel groups
+start at its first non-sink real token (position p_b + sink_tokens), and a row sees exactly what it would see
+alone, for every axis and RoPE order, given the same K/V (tested bit for bit). Padding never enters a group;
+attention sees the exact K/V there (the attention mask hides them). An unpadded batch runs one stream pair over
+all rows, as batch 1 does; a padded one costs one stream pair per row.
+
+End to end, a padded row's K/V reach the cache only as bit-exact as the model's batched arithmetic makes them
+(masked SDPA over a longer row sums in another order: ~1e-5 differences from the second layer on, SmolLM2 fp32),
+and 2-bit fake quant of every token, prefill included, can amplify such differences (an fp16 parameter or a code
+flips), so batch_size=3 and batch_size=1 generations can still differ on a real model.
 """
 
 from __future__ import annotations
@@ -18,7 +30,10 @@ from .base import QuantizedLayerBase, register_layer
 
 
 class FakeQuantStream:
-    """Incremental fake quantization of one growing `[B, H, T, D]` tensor (keys or values of one layer)."""
+    """Incremental fake quantization of one growing `[B, H, T, D]` tensor (keys or values of one layer).
+
+    Every row of the tensor shares the stream's group layout, so a left-padded batch gives each row its own
+    stream over its real tokens (`SimulatedLayer`)."""
 
     def __init__(self, spec: QuantSpec, sink_tokens: int):
         self.spec = spec
@@ -26,14 +41,13 @@ class FakeQuantStream:
         self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done), never recomputed
         self.done = 0
 
-    def view(self, exact: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """exact [B, H, T, D] (all tokens so far) -> what attention sees [B, H, T, D]; valid: [B, T] or None."""
+    def view(self, exact: torch.Tensor) -> torch.Tensor:
+        """exact [B, H, T, D] (all tokens so far, no padding) -> what attention sees [B, H, T, D]."""
         if self.spec.is_identity or exact.shape[-2] <= self.sink:
             return exact
         start = self.sink + self.done
         new = exact[..., start:, :]
-        v = None if valid is None else valid[:, None, start:]
-        deq = fake_quant(new, self.spec, valid=v, partial="zero")
+        deq = fake_quant(new, self.spec, partial="zero")
         n = new.shape[-2]
         keep = n if self.spec.axis == "token" else n // self.spec.group_size * self.spec.group_size
         if keep:
@@ -45,38 +59,84 @@ class FakeQuantStream:
         return torch.cat(parts, dim=-2)
 
 
+def left_pads(valid: torch.Tensor) -> list[int]:
+    """valid [B, T] bool (False = padding) -> padding positions per row; the padding must come first."""
+    token_then_pad = (valid[:, 1:] < valid[:, :-1]).any(1)  # [B]
+    if bool(token_then_pad.any()):
+        row = int(token_then_pad.nonzero()[0])
+        raise ValueError(
+            f"attention mask row {row} has padding after a token; simulated mode needs left padding "
+            "(tokenizer.padding_side='left')"
+        )
+    return (~valid).sum(1).tolist()
+
+
 @register_layer("simulated")
 class SimulatedLayer(QuantizedLayerBase):
-    """One attention layer's simulated cache. `update` returns fake-quantized keys/values of every cached token."""
+    """One attention layer's simulated cache. `update` returns fake-quantized keys/values of every cached token.
+
+    Streams: one pair (keys, values) over the whole batch when nothing is padded; one pair per row otherwise,
+    each over that row's real tokens (see the module docstring)."""
 
     def __init__(self, cfg, rope=None, padding=None):
         super().__init__(cfg, rope, padding)
-        self._k_stream = FakeQuantStream(cfg.key, cfg.sink_tokens)
-        self._v_stream = FakeQuantStream(cfg.value, cfg.sink_tokens)
+        self._streams: list[tuple[FakeQuantStream, FakeQuantStream]] | None = None  # set at the first update
+        self._padded = False
         self._pre_keys: torch.Tensor | None = None  # pre-RoPE keys (rope=pre only)
         self._cos = self._sin = None
 
+    def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
+        S = self.cfg.sink_tokens
+        return FakeQuantStream(self.cfg.key, S), FakeQuantStream(self.cfg.value, S)
+
     def update(self, key_states, value_states, *args, **kwargs):
+        B = key_states.shape[0]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        valid = self.padding.valid(key_states.shape[0], self.keys.shape[-2]) if self.padding else None
-
-        if self.rope is None:
-            keys = self._k_stream.view(self.keys, valid)
-        else:
+        valid = self.padding.valid(B, self.keys.shape[-2]) if self.padding else None
+        if self._streams is None:
+            self._padded = valid is not None
+            self._streams = [self._new_streams() for _ in range(B if self._padded else 1)]
+        elif self._padded != (valid is not None):
+            raise ValueError("the padding mask changed during generation; call set_padding before the first update")
+        if self.rope is not None:
             cos, sin = self.rope_cos_sin(key_states, start, kwargs)
             pre = self.rope.unrotate(key_states, cos, sin)
             self._pre_keys = pre if self._pre_keys is None else torch.cat([self._pre_keys, pre], dim=-2)
             self._cos = cos if self._cos is None else torch.cat([self._cos, cos], dim=-2)
             self._sin = sin if self._sin is None else torch.cat([self._sin, sin], dim=-2)
-            deq = self._k_stream.view(self._pre_keys, valid)
-            s = self.cfg.sink_tokens
-            rotated = self.rope.rotate(deq[..., s:, :], self._cos[..., s:, :], self._sin[..., s:, :])
-            keys = torch.cat([self.keys[..., :s, :], rotated], dim=-2)  # sinks: the exact post-RoPE keys
-        values = self._v_stream.view(self.values, valid)
+
+        if not self._padded:  # the common case (batch 1): one stream pair over all rows, no slicing or copies
+            keys, values = self._view(*self._tensors(), *self._streams[0])
+        else:
+            # rows are few: each row's streams run on its real tokens, alone, exactly as for a batch of one
+            ks, vs = [], []
+            for b, p in enumerate(left_pads(valid)):
+                real = [None if x is None else x[b : b + 1, :, p:] for x in self._tensors()]
+                k, v = self._view(*real, *self._streams[b])
+                # padding positions pass through exact (finite, and hidden by the attention mask)
+                ks.append(torch.cat([self.keys[b : b + 1, :, :p], k], dim=-2))
+                vs.append(torch.cat([self.values[b : b + 1, :, :p], v], dim=-2))
+            keys, values = torch.cat(ks), torch.cat(vs)
         # the new tokens only: history was checked when it arrived (a whole-history scan costs ~13% of decode)
         self.check_finite(key_states, value_states)
         return keys, values
+
+    def _tensors(self):
+        """The per-position tensors of the layer: exact keys and values [B, H, T, D]; rope=pre: pre-RoPE keys
+        [B, H, T, D], cos and sin [B, 1, T, D] (else None)."""
+        return self.keys, self.values, self._pre_keys, self._cos, self._sin
+
+    def _view(self, keys, values, pre_keys, cos, sin, k_stream: FakeQuantStream, v_stream: FakeQuantStream):
+        """What attention sees of rows holding no padding, given `_tensors()` of those rows ([b, H, T, D] and
+        [b, 1, T, D]): fake-quantized keys and values [b, H, T, D]."""
+        values = v_stream.view(values)
+        if self.rope is None:
+            return k_stream.view(keys), values
+        s = self.cfg.sink_tokens
+        deq = k_stream.view(pre_keys)
+        rotated = self.rope.rotate(deq[..., s:, :], cos[..., s:, :], sin[..., s:, :])
+        return torch.cat([keys[..., :s, :], rotated], dim=-2), values  # sinks: the exact post-RoPE keys
