@@ -2,8 +2,13 @@
 
 With `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through `kvq_sdpa`, which hands
 ordinary tensors to SDPA unchanged and, on decode steps, receives a `PackedKV` handle instead of K/V tensors: the
-layer's `decode_view()` (plain tensors) then goes to its backend's `decode_attention`. Layers with pre-RoPE keys go
-to the PyTorch path, the one decode attention that re-rotates dequantized keys (their view carries them dequantized).
+layer's `decode_view()` (plain tensors) then goes to its backend's `decode_attention`.
+
+Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
+e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
+query q M (q M · k M = q · k); values stored as v M give the output (A v) M, mapped back with M^T. Once per decode
+step each, whatever the cache length. A pipeline that does not fold (rope_pre) comes undone in the layer's view
+(history dequantized and re-rotated), which only the PyTorch path reads.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ ATTN_NAME = "kvq_sdpa"
 
 class PackedKV:
     """What a layer's `update` hands the attention function on fused decode steps: the layer, not tensors. The layer
-    provides `decode_view()`, `backend` and `rope` (None unless keys are stored pre-RoPE)."""
+    provides `decode_view()`, `backend` and its transform pipelines `k_pipe`, `v_pipe` (None: no transform)."""
 
     __slots__ = ("layer",)
 
@@ -54,10 +59,16 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         )
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    fused = layer.backend.decode_attention
-    if layer.rope is not None:  # rope=pre re-rotates dequantized keys at their positions: only PyTorch does that
-        fused = decode_attention_torch
-    return fused(layer.decode_view(), query, attention_mask, scaling), None
+    kp, vp = layer.k_pipe, layer.v_pipe
+    fold_k, fold_v = kp is None or kp.foldable, vp is None or vp.foldable
+    # a pipeline that does not fold comes undone in the view (dequantized history): only the PyTorch path reads it
+    fused = layer.backend.decode_attention if fold_k and fold_v else decode_attention_torch
+    if kp is not None and fold_k:
+        query = kp.forward(query)  # keys are stored as k M: q M · k M = q · k
+    out = fused(layer.decode_view(), query, attention_mask, scaling)  # [B, 1, Hq, D]
+    if vp is not None and fold_v:
+        out = vp.inverse(out)  # values are stored as v M: the output is (A v) M
+    return out, None
 
 
 ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, kvq_sdpa_attention)

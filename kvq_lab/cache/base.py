@@ -11,8 +11,10 @@ import math
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvq_lab.quant.transforms import Pipeline, Positions
+
 from .config import CacheConfig
-from .rope import RopeHelper, position_ids_from
+from .rope import RopeHelper, position_ids_from, positions_for
 
 
 class NonFiniteError(FloatingPointError):
@@ -42,7 +44,10 @@ class PaddingState:
 
 
 class QuantizedLayerBase(DynamicLayer):
-    """Base of kvq_lab cache layers: holds the config, the RoPE helper (rope=pre) and the padding state.
+    """Base of kvq_lab cache layers: holds the config, the transform pipelines, the RoPE helper and the padding state.
+
+    k_pipe, v_pipe: the transforms around the key and value quantizers (`kvq_lab.quant.transforms`), None where
+    none applies; rope: the model's rotary module, kept where a transform reads positions (rope_pre).
 
     `self.keys` / `self.values` follow `DynamicLayer`'s meaning where a subclass keeps exact tensors; subclasses
     that store codes override `get_seq_length`.
@@ -53,8 +58,12 @@ class QuantizedLayerBase(DynamicLayer):
     def __init__(self, cfg: CacheConfig, rope: RopeHelper | None = None, padding: PaddingState | None = None):
         super().__init__()
         self.cfg = cfg
-        # 16-bit keys are stored as they are: a RoPE round trip would only add rounding error
-        self.rope = rope if cfg.rope == "pre" and not cfg.key.is_identity else None
+        # a 16-bit quantizer drops the transforms that would only add rounding (rope_pre: keys stored as they are)
+        self.k_pipe: Pipeline | None
+        self.v_pipe: Pipeline | None
+        self.k_pipe, self.v_pipe = cfg.pipelines()
+        self.positional = any(p is not None and p.positional for p in (self.k_pipe, self.v_pipe))
+        self.rope = rope if self.positional else None
         self.padding = padding
         self.layer_idx = -1
         self.steps = 0
@@ -63,6 +72,15 @@ class QuantizedLayerBase(DynamicLayer):
         B, _, T, _ = key_states.shape
         pos = position_ids_from(kwargs, B, start, T, key_states.device)
         return self.rope.cos_sin(key_states, pos)
+
+    def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
+        """`Positions` of tokens at position_ids [B, T] (cos/sin from the model's rotary module where it has one)."""
+        return positions_for(self.rope, like, position_ids)
+
+    def new_positions(self, key_states: torch.Tensor, start: int, kwargs: dict) -> Positions:
+        """Positions of the tokens of this `update` ([B, H, T, D] arriving at cache position `start`)."""
+        B, _, T, _ = key_states.shape
+        return self.positions(key_states, position_ids_from(kwargs, B, start, T, key_states.device))
 
     def check_finite(self, *tensors: torch.Tensor) -> None:
         """NaN or inf in any of the tensors raises `NonFiniteError` naming this layer and step. One fp32 sum per

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
-from kvq_lab.quant.transforms import all as _transforms  # noqa: F401  (registers the built-in transforms)
+from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
 MODES = ("simulated", "packed")
 ROPE = ("post", "pre")

@@ -42,6 +42,15 @@ repeat_kv). Nothing dequantized outlives the step; `nbytes()` counts only what i
 (another attention implementation, or a cache built directly), `update` returns dequantized K/V and the model's
 attention runs as usual.
 
+Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the streams hold the transformed
+tokens, T(x) for every token after the sinks (history and window alike), as the quantizer must see them; sinks stay
+exact. Reading undoes T: `materialize` inverts every stream position (history after dequantization, window as
+stored). On fused decode steps, a pipeline that folds into attention (hadamard: an orthogonal map of the head dim)
+is not undone at all: `kvq_sdpa` maps the query with T and the output back with T^-1 around the kernel, which reads
+the stored codes and window as they are and this step's sinks mapped into T's basis. A pipeline that does not fold
+(rope_pre: position-dependent) comes undone in the view (history dequantized and re-rotated at its positions, window
+re-rotated), which only the PyTorch path reads.
+
 Roles: this module is the layer (what is stored where, per step); `store` holds the bits, `streams` the
 per-axis streaming policies, `backends` the kernels' selection, `attention` the routing.
 """
@@ -71,14 +80,14 @@ class PackedLayer(QuantizedLayerBase):
     def __init__(self, cfg, rope=None, padding=None):
         super().__init__(cfg, rope, padding)
         self._args = (cfg, rope, padding)
-        self.backend = get_backend(cfg.backend)
+        self.backend = get_backend(cfg.backend, (cfg.key, cfg.value))  # formats a kernel cannot read: torch
         self.fused = False  # set by `prepare_model` when the model's attention is routed through kvq_sdpa
         self.N = 0
         self.pads: list[int] = []
         self.sink_k = self.sink_v = None
         self.k_stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, self.backend)
         self.v_stream = make_stream(cfg.value, cfg.residual_length, cfg.sink_tokens, self.backend)
-        self._pos: torch.Tensor | None = None  # rope=pre: position ids [B, N] (int32) to re-rotate keys
+        self._pos: torch.Tensor | None = None  # position ids [B, N] (int32), kept for position-dependent transforms
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @staticmethod
@@ -103,36 +112,39 @@ class PackedLayer(QuantizedLayerBase):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.check_finite(key_states, value_states)
+        pos = None
+        if self.positional:
+            ids = position_ids_from(kwargs, B, self.N, n, key_states.device).to(torch.int32)
+            self._pos = ids if self._pos is None else torch.cat([self._pos, ids], 1)
+            pos = self.positions(key_states, ids)
+        # what the streams store: the tokens as the quantizers see them (the transforms applied)
+        tk = key_states if self.k_pipe is None else self.k_pipe.forward(key_states, pos)
+        tv = value_states if self.v_pipe is None else self.v_pipe.forward(value_states, pos)
         if not (self.k_stream.quantized or self.v_stream.quantized):  # 16 bits: exactly DynamicCache
-            self.k_stream.step(key_states, self.N, self.pads, None)
-            self.v_stream.step(value_states, self.N, self.pads, None)
+            self.k_stream.step(tk, self.N, self.pads, None)
+            self.v_stream.step(tv, self.N, self.pads, None)
             self.N += n
             return self.materialize()
 
-        pre_k = key_states
-        if self.rope is not None:
-            pos = position_ids_from(kwargs, B, self.N, n, key_states.device).to(torch.int32)
-            self._pos = pos if self._pos is None else torch.cat([self._pos, pos], 1)
-            cos, sin = self.rope.cos_sin(key_states, pos)
-            pre_k = self.rope.unrotate(key_states, cos, sin)
-
         if self.N == 0:
-            self._prefill(key_states, pre_k, value_states)
+            self._prefill(key_states, tk, value_states, tv)
             # prefill attention runs on exactly what the model computed
             return key_states, value_states
         if n > 1:
             # several new tokens on a non-empty cache (chunked prefill): absorbed one by one, attention on the
             # dequantized cache
             for t in range(n):
-                self._step(key_states[:, :, t : t + 1], pre_k[:, :, t : t + 1], value_states[:, :, t : t + 1])
+                one = slice(t, t + 1)
+                self._step(key_states[:, :, one], tk[:, :, one], value_states[:, :, one], tv[:, :, one])
             return self.materialize()
-        self._step(key_states, pre_k, value_states)
+        self._step(key_states, tk, value_states, tv)
         if self.fused and self.uniform and self.k_stream.quantized and self.v_stream.quantized:
             handle = PackedKV(self)
             return handle, handle
         return self.materialize()
 
-    def _prefill(self, k, pre_k, v):
+    def _prefill(self, k, tk, v, tv):
+        """k, v [B, H, N, D] as the model made them (the sinks' source); tk, tv: transformed, for the streams."""
         B, H, N, D = k.shape
         S = self.cfg.sink_tokens
         real = self.padding.valid(B, N) if self.padding is not None else None
@@ -147,10 +159,10 @@ class PackedLayer(QuantizedLayerBase):
         idx = (torch.tensor(self.pads, device=k.device)[:, None] + torch.arange(S, device=k.device)).clamp(max=N - 1)
         gidx = idx[:, None, :, None].expand(B, H, S, D)
         self.sink_k, self.sink_v = k.gather(2, gidx), v.gather(2, gidx)
-        self.k_stream.prefill(pre_k, self.pads)
-        self.v_stream.prefill(v, self.pads)
+        self.k_stream.prefill(tk, self.pads)
+        self.v_stream.prefill(tv, self.pads)
 
-    def _step(self, k, pre_k, v):
+    def _step(self, k, tk, v, tv):
         N, S = self.N, self.cfg.sink_tokens
         self.N = N + 1
         owns = None  # the common case: every row owns the new token as history
@@ -161,29 +173,58 @@ class PackedLayer(QuantizedLayerBase):
                     self.sink_k[b, :, jj] = k[b, :, 0]
                     self.sink_v[b, :, jj] = v[b, :, 0]
             owns = [jj >= S for jj in j]
-        self.k_stream.step(pre_k, N, self.pads, owns)
-        self.v_stream.step(v, N, self.pads, owns)
+        self.k_stream.step(tk, N, self.pads, owns)
+        self.v_stream.step(tv, N, self.pads, owns)
 
     # -- views ---------------------------------------------------------------------------------------------------
-    def _rotate(self, deq: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
-        """rope=pre: rotate dequantized pre-RoPE keys [B, H, n, D] at absolute positions abs_pos [B, n]."""
-        pos = self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long()
-        cos, sin = self.rope.cos_sin(deq, pos)
-        return self.rope.rotate(deq, cos, sin)
+    def _undo(self, pipe, x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
+        """Undo `pipe` on stored tokens x [B, H, n, D] at absolute cache positions abs_pos [B, n] (fp32 in, fp32
+        out; the model's dtype in, the model's dtype out)."""
+        if not pipe.positional:
+            return pipe.inverse(x)
+        ids = self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long()
+        return pipe.inverse(x, self.positions(x, ids))
 
     def decode_view(self) -> DecodeView:
         """Rows without padding, both streams quantized: the stored segments as plain tensors for the kernels
-        (rope=pre: the key history comes dequantized and re-rotated, which only the PyTorch path reads)."""
-        rot = self._rotate if self.rope is not None else None
-        k = self.k_stream.view(self.N, self.sink_k, self.pads, rot)
-        v = self.v_stream.view(self.N, self.sink_v, self.pads, None)
+        (see the module docstring for what transforms change)."""
+        k = self._stream_view(self.k_stream, self.sink_k, self.k_pipe)
+        v = self._stream_view(self.v_stream, self.sink_v, self.v_pipe)
         return DecodeView(k, v, self.N, self.cfg.sink_tokens)
 
+    def _stream_view(self, stream, sink, pipe):
+        N = self.N
+        if pipe is None:
+            return stream.view(N, sink, self.pads, None)
+        if pipe.foldable:
+            # attention runs in the pipeline's basis (kvq_sdpa maps the query and the output): history and window
+            # are stored in it, the exact sinks are mapped into it for this step (a few tokens)
+            return stream.view(N, pipe.forward(sink[:, :, : min(self.cfg.sink_tokens, N)]), self.pads, None)
+        # undone for the PyTorch path: the history as it is dequantized (the stream calls back), then the window
+        sv = stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
+        win = sv.window[:, :, sv.window.shape[2] - sv.w :]
+        a = torch.arange(N - sv.w, N, device=win.device).expand(win.shape[0], sv.w)
+        return sv._replace(window=self._undo(pipe, win, a))
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full K, V [B, H, N, D] in the model's dtype: sinks exact, history dequantized, window exact."""
-        rot = self._rotate if self.rope is not None else None
-        keys = self.k_stream.materialize(self.N, self.sink_k, self.pads, rot)
-        return keys, self.v_stream.materialize(self.N, self.sink_v, self.pads, None)
+        """Full K, V [B, H, N, D] in the model's dtype: sinks exact, history dequantized, window exact, transforms
+        undone."""
+        return self._read(self.k_stream, self.sink_k, self.k_pipe), self._read(self.v_stream, self.sink_v, self.v_pipe)
+
+    def _read(self, stream, sink, pipe) -> torch.Tensor:
+        x = stream.materialize(self.N, sink, self.pads, None)
+        if pipe is None:
+            return x
+        B, N, S = x.shape[0], self.N, self.cfg.sink_tokens
+        a = torch.arange(N, device=x.device).expand(B, N)
+        if not stream.quantized:  # an exact stream holds every position, its sinks included
+            return self._undo(pipe, x, a)
+        if self.uniform:  # positions [S, N) came from the stream
+            s = min(S, N)
+            return torch.cat([x[:, :, :s], self._undo(pipe, x[:, :, s:], a[:, s:])], 2)
+        # padded rows: a row's stream positions are its real tokens after its sinks; sinks and padding as they are
+        j = a - torch.tensor(self.pads, device=x.device)[:, None]
+        return torch.where((j >= S)[:, None, :, None], self._undo(pipe, x, a), x)
 
     # -- accounting ----------------------------------------------------------------------------------------------
     def nbytes(self) -> tuple[int, int]:

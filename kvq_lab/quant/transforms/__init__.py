@@ -22,12 +22,12 @@ exact sinks into it for the kernel, and keeps them exact).
 Spelling (the run config's `key_transform` / `value_transform`): `name` or `name:arg`, where `arg` is the
 transform's one option (`hadamard:64`: blocks of 64 channels). A list composes: `key_transform=[rope_pre,hadamard]`.
 
-Registered transforms (`kvq_lab.quant.transforms.all` imports them):
+Registered transforms (`kvq_lab.quant.transforms.builtin` imports them):
     rope_pre   keys only: undo the model's RoPE so keys are quantized before rotation, re-rotate after (KVQuant)
     hadamard   a fixed orthonormal Hadamard rotation of the head dim, whole or in blocks (QuaRot)
 
-This module imports neither torch nor its plugins: plugins register themselves when imported, `transforms/all.py` is
-the one place that imports them, and config validation (torch-free) reads the registry. Plugin modules therefore
+This module imports neither torch nor its plugins: plugins register themselves when imported, `transforms/builtin.py`
+is the one place that imports them, and config validation (torch-free) reads the registry. Plugin modules therefore
 import torch inside their functions. See README.md, "Adding a format / transform / policy", for a new transform.
 """
 
@@ -150,7 +150,7 @@ def get_transform(spelling: str) -> Transform:
     name, _, arg = spelling.partition(":")
     if name not in TRANSFORMS:
         if not TRANSFORMS:
-            raise QuantConfigError(f"{spelling!r}: no transform is registered; import kvq_lab.quant.transforms.all")
+            raise QuantConfigError(f"{spelling!r}: no transform is registered; import kvq_lab.quant.transforms.builtin")
         raise QuantConfigError(
             f"{spelling!r} is not a registered transform; allowed: {', '.join([NONE, *sorted(TRANSFORMS)])}"
         )

@@ -34,7 +34,7 @@ def fwht(x, n: int):
     import torch
 
     shape = x.shape
-    y = x.reshape(-1, shape[-1] // n, n)
+    y = x.reshape(x.numel() // shape[-1], shape[-1] // n, n)  # not -1: an empty x (no sinks) keeps its shape
     h = 1
     while h < n:
         # pairs (i, i + h) within each run of 2h channels: (a, b) -> (a + b, a - b)
