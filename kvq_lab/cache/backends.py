@@ -8,6 +8,12 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
 `torch` is the pure-PyTorch path; `cpu` adds the C decode-attention kernel (quantization and storage are torch's,
 so the bits are the same); `triton` quantizes, packs, dequantizes and attends with the Triton kernels, imported only
 when chosen. `auto` picks triton with CUDA, else cpu where the kernel builds, else torch.
+
+Code formats: every backend reads every format its kernels declare (`kvq_lab.quant.formats.add_kernel_support`; the
+C and Triton kernels read them all) unless the format refuses the backend (`unsupported_backends`). Then `auto`
+takes the PyTorch path with one warning, and an explicit backend fails (in config validation, before the model
+loads). Quantization is the reference's for every format; `int` has the fast whole-group path and, with Triton,
+the quantize+pack kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import torch
 
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups, unpack_dequantize
-from kvq_lab.quant.reference import quantize
+from kvq_lab.quant.reference import code_format, quantize
+from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
 
 class Backend(Protocol):
@@ -40,8 +47,10 @@ class TorchBackend:
 
     @staticmethod
     def quantize(x, spec, valid):
-        """x [b, H, n, D] -> codes uint8 [b, H, n, D], fp16 scale and zero in the reference's layout."""
-        if valid is None and (spec.axis == "token" or x.shape[2] % spec.group_size == 0):
+        """x [b, H, n, D] -> codes uint8 [b, H, n, D], fp16 scale and zero (None where the format stores none) in
+        the reference's layout."""
+        whole = valid is None and (spec.axis == "token" or x.shape[2] % spec.group_size == 0)
+        if whole and spec.format == "int":  # int's fast path, the same bits (tested)
             return quantize_whole_groups(x, spec)
         q = quantize(x, spec, valid=valid, partial="exclude")
         return q.codes[:, :, : x.shape[2]], q.scale, q.zero
@@ -76,6 +85,8 @@ class TritonBackend:
     def write(store, x, t0, valid, rows):
         from kvq_lab.kernels import triton_kernels as tk
 
+        if not tk.quantizes(store.spec):  # other formats: the reference's quantization, the same bits
+            return TorchBackend.write(store, x, t0, valid, rows)
         v = None if valid is None else valid[:, 0]  # [b, n]
         codes, scale, zero = store.codes[rows], store.scale[rows], store.zero[rows]
         tk.quantize_into(codes, scale, zero, x, store.spec, t0, v, partial="exclude")
@@ -105,18 +116,53 @@ def _cpu_kernel_builds() -> bool:
     return err is None
 
 
-def get_backend(name: str) -> Backend:
+def unsupported_formats(backend: str, specs) -> list[str]:
+    """The code formats among `specs` (QuantSpecs; 16-bit ones quantize nothing) that `backend` cannot read. The
+    kernel modules declare what they read when imported: call after importing them (`get_backend` does)."""
+    return sorted({code_format(s).name for s in specs if not s.is_identity and not code_format(s).supports(backend)})
+
+
+def check_formats(backend: str, specs) -> None:
+    """One-line QuantConfigError if `backend` cannot read a format of `specs` (an explicit backend choice)."""
+    bad = unsupported_formats(backend, specs)
+    if bad:
+        raise QuantConfigError(
+            f"backend={backend} cannot read format={bad[0]} (the format says so): use backend=torch or backend=auto"
+        )
+
+
+def get_backend(name: str, specs: tuple[QuantSpec, ...] = ()) -> Backend:
     """`torch`, `cpu`, `triton`, or `auto` (Triton when CUDA is present, else the CPU kernel where it builds, else
-    torch). Triton is imported only when chosen."""
+    torch). Triton is imported only when chosen. `specs`: the quantizers (keys, values) the backend will serve; a
+    format that the chosen backend cannot read sends `auto` to torch (one warning) and fails an explicit choice."""
+    chosen = name
     if name == "auto":
-        name = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
-    if name == "torch":
-        return TorchBackend
-    if name == "cpu":
+        chosen = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
+    if chosen == "torch":
+        backend = TorchBackend
+    elif chosen == "cpu":
         cpu_kernel.load()  # fail at cache creation, with the compiler's message, not in the middle of generate
-        return CpuBackend
-    if name == "triton":
+        backend = CpuBackend
+    elif chosen == "triton":
         from kvq_lab.kernels import triton_kernels  # noqa: F401  (fail at cache creation if Triton is missing)
 
-        return TritonBackend
-    raise ValueError(f"backend={name!r}; allowed: auto, torch, cpu, triton")
+        backend = TritonBackend
+    else:
+        raise ValueError(f"backend={name!r}; allowed: auto, torch, cpu, triton")
+    if chosen == "torch" or not specs:
+        return backend
+    if name != "auto":
+        check_formats(chosen, specs)
+        return backend
+    bad = unsupported_formats(chosen, specs)
+    if bad:
+        key = ("format", chosen, *bad)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(
+                f"backend=auto: the {chosen} kernels cannot read format={bad[0]}; the packed cache uses the PyTorch "
+                "path (backend=torch)",
+                stacklevel=2,
+            )
+        return TorchBackend
+    return backend

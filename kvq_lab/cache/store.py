@@ -5,48 +5,58 @@ from __future__ import annotations
 import torch
 
 from kvq_lab.quant.pack import BLOCK, word_layout
+from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 
 
 class PackedStore:
     """Quantized history of one `[B, H, T, D]` tensor, indexed by storage position t (0 = first quantized slot).
 
-    codes: uint8 [B, H, n_blocks * BLOCK * bits / 8, D] (`kvq_lab.quant.pack` layout), zero beyond what is written.
-    scale, zero: fp16 [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups).
+    codes: uint8 [B, H, n_blocks * BLOCK * bits / 8, D] (`kvq_lab.quant.pack` layout), zero beyond what is written;
+        `bits` is the code format's `code_bits`.
+    scale, zero: fp16 [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups): only the
+        parameters the format declares (`format.params`); zero is None for formats without a zero point (fp8).
+    table: fp32 [2^bits], the format's code values (x' = table[code] * scale + zero), or None for int, whose codes
+        are their own values. Shared with the format (read-only).
     Memory is allocated in whole blocks of BLOCK tokens (per-channel params: whole groups) as tokens arrive.
     `backend` (`kvq_lab.cache.backends`) quantizes what is written and dequantizes what is read.
     """
 
     def __init__(self, spec: QuantSpec, backend):
         self.spec = spec
+        self.format = code_format(spec)
         self.backend = backend
         self.codes: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.zero: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
         self.length = 0  # storage positions written (the furthest row)
         self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the stream at prefill
-        u, nb = word_layout(spec.bits)
+        self.bits = self.format.code_bits
+        u, nb = word_layout(self.bits)
         self._m, self._nb = BLOCK // u, nb  # rows per plane, bytes per word
 
     # -- growth ------------------------------------------------------------------------------------------------
     def _reserve(self, n_tokens: int, like: torch.Tensor) -> None:
         """Grow storage to hold positions [0, n_tokens) for all B rows (`like`: [B or fewer, H, *, D])."""
         B, H, D = self.dims
-        G, bits = self.spec.group_size, self.spec.bits
+        G, bits = self.spec.group_size, self.bits
         blocks = -(-n_tokens // BLOCK)
         rows = blocks * BLOCK * bits // 8
         if self.codes is None:
             self.codes = like.new_zeros(B, H, 0, D, dtype=torch.uint8)
             p_last = D // G if self.spec.axis == "token" else D
             self.scale = like.new_zeros(B, H, 0, p_last, dtype=torch.float16)
-            self.zero = self.scale.clone()
+            self.zero = self.scale.clone() if "zero" in self.format.params else None
+            self.table = None if self.format.codes_are_values else self.format.table(like.device)
         if rows > self.codes.shape[2]:
             self.codes = torch.cat([self.codes, self.codes.new_zeros(B, H, rows - self.codes.shape[2], D)], 2)
         n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
         if n_par > self.scale.shape[2]:
             extra = self.scale.new_zeros(B, H, n_par - self.scale.shape[2], self.scale.shape[3])
             self.scale = torch.cat([self.scale, extra], 2)
-            self.zero = torch.cat([self.zero, extra], 2)
+            if self.zero is not None:
+                self.zero = torch.cat([self.zero, extra], 2)
 
     # -- write -------------------------------------------------------------------------------------------------
     def write(self, x: torch.Tensor, t0: int, valid: torch.Tensor | None = None, rows: slice | None = None) -> None:
@@ -67,21 +77,22 @@ class PackedStore:
         self.backend.write(self, x, t0, valid, rows)
         self.length = max(self.length, t0 + n)
 
-    def put(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, t0: int, rows: slice) -> None:
+    def put(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, t0: int, rows: slice) -> None:
         """Store quantized positions [t0, t0 + n): codes uint8 [b, H, n, D] and their params in the reference's
-        layout (for backends that quantize outside the storage; `write` has reserved the room)."""
+        layout, zero None for formats without one (for backends that quantize outside the storage; `write` has
+        reserved the room)."""
+        if (zero is None) != (self.zero is None):
+            raise ValueError(f"format={self.format.name} stores {', '.join(self.format.params)}; got zero={zero}")
         n, G = codes.shape[2], self.spec.group_size
-        if self.spec.axis == "token":
-            self.scale[rows, :, t0 : t0 + n] = scale
-            self.zero[rows, :, t0 : t0 + n] = zero
-        else:
-            self.scale[rows, :, t0 // G : (t0 + n) // G] = scale
-            self.zero[rows, :, t0 // G : (t0 + n) // G] = zero
+        span = slice(t0, t0 + n) if self.spec.axis == "token" else slice(t0 // G, (t0 + n) // G)
+        self.scale[rows, :, span] = scale
+        if zero is not None:
+            self.zero[rows, :, span] = zero
         self._or_codes(codes, t0, rows)
 
     def _or_codes(self, codes: torch.Tensor, t0: int, rows: slice) -> None:
         """Or codes [b, H, n, D] of positions t0.. into the packed storage (see the layout in `pack`)."""
-        bits, m, nb = self.spec.bits, self._m, self._nb
+        bits, m, nb = self.bits, self._m, self._nb
         n = codes.shape[2]
         dst = self.codes[rows]  # a view: rows is a slice
         if n == 1:  # a decode step: one token, its bits of one word (nb bytes)
@@ -101,13 +112,16 @@ class PackedStore:
 
     # -- read --------------------------------------------------------------------------------------------------
     def dequantize(self, n: int) -> torch.Tensor:
-        """fp32 [B, H, n, D]: code * scale + zero, the reference's arithmetic (two roundings, no fma)."""
+        """fp32 [B, H, n, D]: table[code] * scale + zero, the reference's arithmetic (two roundings, no fma)."""
         if n == 0:
             return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
         return self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
 
     def nbytes(self) -> int:
-        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero))
+        """Codes and parameters as stored, plus the format's own table where it has one per tensor (lut's
+        codebook: `format.table_bytes`; int and fp8 tables are fixed by the format's name and width)."""
+        table = self.format.table_bytes if self.codes is not None else 0
+        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero)) + table
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:

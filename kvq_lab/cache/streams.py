@@ -92,7 +92,7 @@ class _QuantizedStream(ABC):
         deq = self.history(q, pads, rotate) if rotate is not None and q else None
         return StreamView(
             sink, st.codes, st.scale, st.zero, q, self.window, max(0, N - self.S) - q,
-            self.spec.bits, self.spec.group_size, self.spec.axis, deq,
+            st.bits, self.spec.group_size, self.spec.axis, deq, st.table,
         )  # fmt: skip
 
     def materialize(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> torch.Tensor:

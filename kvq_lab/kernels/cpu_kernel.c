@@ -6,8 +6,13 @@ of the values; then the chunks are combined (flash-decoding). History rows are u
 from the packed bytes into one D-float buffer (parameters converted from fp16 once per row for per-token groups,
 once per group of rows for per-channel groups): nothing of the cache's size is ever written, so the step's memory
 traffic is the packed bytes, not a dequantized copy of K and V. The dequantized values are bit for bit those of
-the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `code * scale + zero` with two roundings, so the build uses
--ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
+the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `table[code] * scale + zero` with two roundings, so the
+build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
+
+Code formats (kvq_lab/quant/formats): every format dequantizes as `table[code] * scale + zero`, with an fp32 table of
+2^bits entries and no zero point for some formats (fp8: `table[code] * scale`). A stream without a table is `int`,
+whose codes are their own values: `code * scale + zero`, the loop this kernel had before formats (`deq_run`), kept
+as it was so the int path stays as fast; formats with a table go through `deq_run_table`.
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes
 of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + m, ... in `bits`-bit fields,
@@ -27,7 +32,8 @@ Parameters are fp16: per-token groups [T, D/G], per-channel groups [T/G, D].
 /* One tensor (keys or values) of one layer. Every field is int64 so the Python side fills a flat array;
    pointers are addresses. Strides are in elements of the pointed-to type; the last dim has stride 1. */
 typedef struct {
-    int64_t codes, scale, zero;     /* uint8 packed codes, fp16 (uint16 bits) scale and zero point */
+    int64_t codes, scale, zero;     /* uint8 packed codes, fp16 (uint16 bits) scale and zero point (0: none) */
+    int64_t table;                  /* fp32 [2^bits] value of each code, or 0: the code is its value (int) */
     int64_t cb, ch, cr;             /* codes strides: batch, head, byte row */
     int64_t pb, ph, pt;             /* scale/zero strides: batch, head, row */
     int64_t n;                      /* quantized history tokens (positions s .. s + n - 1) */
@@ -83,32 +89,60 @@ static inline void deq_run(float *restrict out, const uint8_t *restrict row, int
         }
 }
 
+/* The same for a format with a table: out[d] = table[code(d)] * s[d] (+ z[d] where z is not NULL: formats without
+   a zero point store none and add nothing, so -0.0 stays -0.0 as in the reference). */
+static inline void deq_run_table(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
+                                 unsigned shift, unsigned mask, const float *restrict table, const float *restrict s,
+                                 const float *restrict z, int64_t ds, int64_t n) {
+    if (nb == 1 && z)
+        for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[ds * d] + z[ds * d];
+    else if (nb == 1)
+        for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[ds * d];
+    else
+        for (int64_t d = 0; d < n; d++) {
+            uint32_t word = 0;
+            for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
+            const float v = table[(word >> shift) & mask] * s[ds * d];
+            out[d] = z ? v + z[ds * d] : v;
+        }
+}
+
 /* Dequantize history row t (storage position) of stream st at (b, h) into out[D]. sbuf/zbuf hold the row's
    parameters; for per-channel groups they are reloaded only when t enters a new group (*group tracks it). */
 static inline void history_row(const Stream *st, int64_t b, int64_t h, int64_t t, int64_t D, float *restrict out,
                                float *restrict sbuf, float *restrict zbuf, int64_t *group) {
     const int64_t G = st->group, m = st->m, nb = st->nb;
     const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
-    const uint16_t *zp = (const uint16_t *)st->zero + b * st->pb + h * st->ph;
+    const uint16_t *zp = st->zero ? (const uint16_t *)st->zero + b * st->pb + h * st->ph : 0;
+    const float *table = (const float *)st->table;  /* 0 for int (then zp is never 0: checked in Python) */
     const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
     const int64_t tt = t % KVQ_BLOCK, plane = m * st->cr;
     const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
     const unsigned shift = (unsigned)(st->bits * (tt / m)), mask = (1u << st->bits) - 1u;
-    if (st->token_axis) {  /* D/G groups of G channels, one scale and zero point each */
+    if (st->token_axis) {  /* D/G groups of G channels, one scale (and zero point) each */
         for (int64_t g = 0; g < D / G; g++) {
-            const float s = half_to_float(sc[t * st->pt + g]), z = half_to_float(zp[t * st->pt + g]);
-            deq_run(out + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
+            const float s = half_to_float(sc[t * st->pt + g]), z = zp ? half_to_float(zp[t * st->pt + g]) : 0.0f;
+            if (table)
+                deq_run_table(out + g * G, row + g * G, plane, nb, shift, mask, table, &s, zp ? &z : 0, 0, G);
+            else
+                deq_run(out + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
         }
         return;
     }
     if (t / G != *group) {  /* a new group of G rows: its D parameters */
         *group = t / G;
-        for (int64_t d = 0; d < D; d++) {
-            sbuf[d] = half_to_float(sc[*group * st->pt + d]);
-            zbuf[d] = half_to_float(zp[*group * st->pt + d]);
-        }
+        if (zp)
+            for (int64_t d = 0; d < D; d++) {
+                sbuf[d] = half_to_float(sc[*group * st->pt + d]);
+                zbuf[d] = half_to_float(zp[*group * st->pt + d]);
+            }
+        else
+            for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[*group * st->pt + d]);
     }
-    deq_run(out, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
+    if (table)
+        deq_run_table(out, row, plane, nb, shift, mask, table, sbuf, zp ? zbuf : 0, 1, D);
+    else
+        deq_run(out, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
 }
 
 /* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (sinks, window) or dequantized into

@@ -13,7 +13,7 @@ path within fp32 rounding (tested); dequantized values are bit for bit the refer
 Built on first use with the system C compiler (`$CC`, else cc, gcc or clang) into `$KVQ_KERNEL_CACHE` (default
 ~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU; later loads take milliseconds. Loaded with
 ctypes (no PyTorch headers: the build takes about a second). Flags: -O3, -march=native where the compiler takes
-it, -ffp-contract=off (the dequantization `code * scale + zero` keeps the reference's two roundings), -fopenmp
+it, -ffp-contract=off (the dequantization `table[code] * scale + zero` keeps the reference's two roundings), -fopenmp
 (linked against the libgomp PyTorch has already loaded, so the kernel shares PyTorch's thread pool), and any in
 `$KVQ_KERNEL_CFLAGS`.
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
 
 from .torch_path import decode_attention_torch
@@ -42,9 +43,14 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
 
 # the C structs `Args` and `Stream`, every field an int64 (pointers as addresses), in this order
-STREAM_FIELDS = "codes scale zero cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
+STREAM_FIELDS = (
+    "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
+)
 ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
+
+# the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries: every code format
+add_kernel_support("cpu", EVERY_FORMAT)
 
 
 class KernelBuildError(RuntimeError):
@@ -141,14 +147,21 @@ _ArgBlock = ctypes.c_int64 * N_FIELDS
 
 
 def _stream_fields(sv: StreamView) -> list[int]:
-    """The C `Stream` of one tensor: packed history (if any), fp32 window buffer and sinks."""
+    """The C `Stream` of one tensor: packed history (if any) with its format's table (0: int), fp32 window buffer
+    and sinks."""
     n, w = sv.n, sv.w
     if sv.codes is not None and n:
-        c, s, z = sv.codes, sv.scale, sv.zero
-        hist = [c.data_ptr(), s.data_ptr(), z.data_ptr(), c.stride(0), c.stride(1), c.stride(2)]
-        hist += [s.stride(0), s.stride(1), s.stride(2), n]
+        c, s, z, t = sv.codes, sv.scale, sv.zero, sv.table
+        if t is None and z is None:  # the kernel's int path adds a zero point: a table-less format must store one
+            raise ValueError("a code format without a zero point must give its table (StreamView.table)")
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != 1 << sv.bits):
+            raise ValueError(f"StreamView.table must be contiguous fp32 [2^bits = {1 << sv.bits}]")
+        if z is not None and z.stride() != s.stride():
+            raise ValueError("the kernel reads scale and zero point with the same strides")
+        ptrs = [c.data_ptr(), s.data_ptr(), 0 if z is None else z.data_ptr(), 0 if t is None else t.data_ptr()]
+        hist = [*ptrs, c.stride(0), c.stride(1), c.stride(2), s.stride(0), s.stride(1), s.stride(2), n]
     else:
-        hist = [0] * 10
+        hist = [0] * 11
     u, nb = word_layout(sv.bits)
     layout = [sv.bits, nb, BLOCK // u, sv.group_size, int(sv.axis == "token")]
     buf = sv.window  # the window's tokens are its last w rows

@@ -1,6 +1,10 @@
 """The pure-PyTorch path (`backend=torch`): whole-group quantization, dequantization of packed storage, and decode
 attention over a `DecodeView`. The specification the C and Triton kernels are tested against; the quantization
-and dequantization are themselves bit for bit `kvq_lab.quant.reference` (tested)."""
+and dequantization are themselves bit for bit `kvq_lab.quant.reference` (tested).
+
+Every code format dequantizes as table[code] * scale + zero (`kvq_lab.quant.formats`; zero absent for fp8); for
+`int` the code is its own table entry, so that path converts the code and skips the lookup, as before formats.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq_lab.quant.pack import BLOCK, plane_shifts, unpack, word_layout
+from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 
 from .view import DecodeView, StreamView
@@ -15,12 +20,15 @@ from .workspace import const, workspace
 
 
 def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
-    """`reference.quantize` for x [B, H, T, D] made of whole groups and no padding, in fewer ops (decode steps).
+    """`reference.quantize` for x [B, H, T, D] made of whole groups and no padding, in fewer ops (decode steps);
+    `int` format only (other formats quantize through `reference.quantize`).
 
     Bit for bit the reference's arithmetic (tested): same min/max, outward fp16 rounding, IEEE division, round
     half to even. A zero-width group divides 0 by a tiny positive number instead of selecting 0: same code, 0.
     Returns codes uint8 [B, H, T, D] and fp16 scale, zero in the reference's parameter layout.
     """
+    if spec.format != "int" or spec.codebook is not None:
+        raise ValueError(f"quantize_whole_groups is int's fast path; format={spec.format}: use reference.quantize")
     B, H, T, D = x.shape
     G, L = spec.group_size, spec.levels
     xf = x.float()
@@ -42,17 +50,22 @@ def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
 
 
 def unpack_dequantize(packed, scale, zero, spec: QuantSpec, n: int) -> torch.Tensor:
-    """fp32 [B, H, n, D] = code * scale + zero of storage positions [0, n) of packed uint8 [B, H, rows, D] and its
-    fp16 params (the reference's `dequantize`: two roundings, no fma)."""
+    """fp32 [B, H, n, D] = table[code] * scale + zero of storage positions [0, n) of packed uint8 [B, H, rows, D]
+    and its fp16 params (zero None: no zero point), the spec's format (the reference's `dequantize`: two roundings,
+    no fma)."""
     B, H, _, D = packed.shape
     G = spec.group_size
-    c = unpack(packed[:, :, : -(-n // BLOCK) * BLOCK * spec.bits // 8], spec.bits)[:, :, :n].float()
+    fmt = code_format(spec)
+    bits = fmt.code_bits
+    c = unpack(packed[:, :, : -(-n // BLOCK) * BLOCK * bits // 8], bits)[:, :, :n]
+    c = c.float() if fmt.codes_are_values else fmt.table(c.device)[c.long()]
     if spec.axis == "token":
-        x = c.view(B, H, n, D // G, G) * scale[:, :, :n, :, None].float() + zero[:, :, :n, :, None].float()
+        x = c.view(B, H, n, D // G, G) * scale[:, :, :n, :, None].float()
+        z = None if zero is None else zero[:, :, :n, :, None].float()
     else:
-        s, z = scale[:, :, : n // G].float(), zero[:, :, : n // G].float()
-        x = c.view(B, H, n // G, G, D) * s[:, :, :, None, :] + z[:, :, :, None, :]
-    return x.view(B, H, n, D)
+        x = c.view(B, H, n // G, G, D) * scale[:, :, : n // G, None, :].float()
+        z = None if zero is None else zero[:, :, : n // G, None, :].float()
+    return (x if z is None else x + z).view(B, H, n, D)
 
 
 def decode_attention_torch(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
@@ -103,13 +116,23 @@ def _assemble(sv: StreamView, N: int, S: int, name: str) -> torch.Tensor:
             G = sv.group_size
             if sv.axis == "token":  # params [B, H, n, D/G] broadcast over each group's channels
                 shape = (B, H, n, D // G, G)
-                sc, z = sv.scale[:, :, :n, :, None], sv.zero[:, :, :n, :, None]
+                sc = sv.scale[:, :, :n, :, None]
+                z = None if sv.zero is None else sv.zero[:, :, :n, :, None]
             else:  # params [B, H, n/G, D] broadcast over each group's tokens
                 shape = (B, H, n // G, G, D)
-                sc, z = sv.scale[:, :, : n // G, None, :], sv.zero[:, :, : n // G, None, :]
-            # code -> fp32 in place, then * scale, + zero: the reference's two roundings, no intermediate buffer
+                sc = sv.scale[:, :, : n // G, None, :]
+                z = None if sv.zero is None else sv.zero[:, :, : n // G, None, :]
+            # code (or its table entry) -> fp32 in place, then * scale, + zero: the reference's two roundings, no
+            # intermediate buffer of the history's size for int
             dst = out[:, :, s : s + n].view(shape)
-            dst.copy_(_codes_into(sv, name)[:, :, :n].view(shape)).mul_(sc.float()).add_(z.float())
+            codes = _codes_into(sv, name)[:, :, :n]
+            if sv.table is None:
+                dst.copy_(codes.view(shape))
+            else:
+                dst.copy_(torch.index_select(sv.table, 0, codes.reshape(-1).int()).view(shape))
+            dst.mul_(sc.float())
+            if z is not None:
+                dst.add_(z.float())
     if w:
         out[:, :, N - w :] = sv.window[:, :, sv.window.shape[2] - w :]
     return out

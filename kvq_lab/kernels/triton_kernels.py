@@ -17,6 +17,11 @@ Parameters are fp16: [B, H, T, D/G] for per-token groups (along channels), [B, H
 nudging the fp16 bit pattern one ulp), and a dequantization `code * scale + zero` with two roundings (the launch
 disables fp contraction, which would fuse it into an fma).
 
+Code formats (`kvq_lab.quant.formats`): unpack+dequantize and decode attention read every format,
+x' = table[code] * scale (+ zero), with one gather from the format's fp32 table (HAS_TABLE; int's codes are their
+own values and skip it) and no zero point where the format stores none (HAS_ZERO). Quantize+pack implements int's
+arithmetic; the cache quantizes other formats with the reference and stores the same bits (`quantizes`).
+
 Import is lazy (only `backend=triton` or `auto` on a CUDA machine loads this module).
 """
 
@@ -26,12 +31,30 @@ import torch
 import triton
 import triton.language as tl
 
+from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
-from kvq_lab.quant.reference import QTensor
+from kvq_lab.quant.reference import QTensor, code_format
 from kvq_lab.quant.spec import QuantSpec
 
 from .torch_path import decode_attention_torch
 from .view import DecodeView, check_codes_only
+
+# dequantization and decode attention load table[code] for any fp32 table of 2^bits entries: every code format
+add_kernel_support("triton", EVERY_FORMAT)
+
+
+def quantizes(spec: QuantSpec) -> bool:
+    """Whether the quantize+pack kernel implements the spec's format (int); others quantize with the reference."""
+    return spec.format == "int"
+
+
+def _table_and_zero(spec: QuantSpec, zero, device):
+    """(table or a dummy, HAS_TABLE, zero or a dummy, HAS_ZERO) for a launch: int has no table, fp8 no zero."""
+    fmt = code_format(spec)
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    table = dummy if fmt.codes_are_values else fmt.table(device)
+    return table, not fmt.codes_are_values, (zero if zero is not None else dummy), zero is not None
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Scalar helpers: the reference's rounding, element-wise
@@ -200,7 +223,10 @@ def quantize_into(packed, scale, zero, x, spec: QuantSpec, t0: int, valid=None, 
 
     packed: uint8 [B, H, rows, D] (this layout, zero where not yet written); scale, zero: fp16 params tensors.
     Per-channel groups: t0 a multiple of G. valid [B, n] bool: positions allowed in min/max (codes 0 elsewhere).
+    int format only (`quantizes`).
     """
+    if not quantizes(spec):
+        raise ValueError(f"the Triton quantize+pack kernel is int's; format={spec.format}: use reference.quantize")
     B, H, n, D = x.shape
     _check(spec, D)
     G = spec.group_size
@@ -226,7 +252,9 @@ def quantize_into(packed, scale, zero, x, spec: QuantSpec, t0: int, valid=None, 
 
 def quantize_pack(x: torch.Tensor, spec: QuantSpec, valid=None, partial: str = "zero"):
     """Standalone: x [B, H, T, D] -> (packed uint8 [B, H, ceil(T_pad/BLOCK)*BLOCK*bits/8, D], scale, zero),
-    the same bytes as `pack.PackedQTensor.from_qtensor(reference.quantize(x, spec, valid, partial))`."""
+    the same bytes as `pack.PackedQTensor.from_qtensor(reference.quantize(x, spec, valid, partial))`. int only."""
+    if not quantizes(spec):
+        raise ValueError(f"the Triton quantize+pack kernel is int's; format={spec.format}: use reference.quantize")
     B, H, T, D = x.shape
     G = spec.group_size
     t_pad = -(-T // G) * G if spec.axis == "channel" else T
@@ -249,46 +277,61 @@ def quantize_pack(x: torch.Tensor, spec: QuantSpec, valid=None, partial: str = "
 
 
 @triton.jit
+def _code_values(c, t_ptr, ok, HAS_TABLE: tl.constexpr):
+    """The value of each code (int32 [rows, D]) before scale and zero: table[c] (fp32), or c itself (int)."""
+    if HAS_TABLE:
+        return tl.load(t_ptr + c, mask=ok[:, None], other=0.0)
+    return c.to(tl.float32)
+
+
+@triton.jit
 def _dequant_kernel(
     p_ptr, spb, sph, spr,
     s_ptr, z_ptr, sqb, sqh, sqt,
+    t_ptr,  # fp32 [2^BITS] code values (HAS_TABLE)
     o_ptr, sob, soh, sot,
     H, n,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
-    TT: tl.constexpr, AXIS_TOKEN: tl.constexpr,
+    TT: tl.constexpr, AXIS_TOKEN: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b, h = bh // H, bh % H
     pos = tl.program_id(1) * TT + tl.arange(0, TT)
     d = tl.arange(0, D)
     ok = pos < n
-    c = _load_codes(p_ptr + b * spb + h * sph, pos, ok, spr, D, BITS, NB, M, BLK).to(tl.float32)
+    c = _load_codes(p_ptr + b * spb + h * sph, pos, ok, spr, D, BITS, NB, M, BLK)
+    c = _code_values(c, t_ptr, ok, HAS_TABLE)
     if AXIS_TOKEN:
         q_off = b * sqb + h * sqh + pos[:, None] * sqt + (d // G)[None, :]
     else:
         q_off = b * sqb + h * sqh + (pos // G)[:, None] * sqt + d[None, :]
     s = tl.load(s_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    out = c * s + z  # two roundings, as the reference (the launch disables fma contraction)
+    out = c * s
+    if HAS_ZERO:  # two roundings, as the reference (the launch disables fma contraction)
+        out = out + tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
     tl.store(o_ptr + b * sob + h * soh + pos[:, None] * sot + d[None, :], out, mask=ok[:, None])
 
 
 def unpack_dequantize(packed, scale, zero, spec: QuantSpec, n: int) -> torch.Tensor:
-    """fp32 [B, H, n, D] = code * scale + zero of storage positions [0, n) (the reference's `dequantize`)."""
+    """fp32 [B, H, n, D] = table[code] * scale + zero of storage positions [0, n), the spec's format (the
+    reference's `dequantize`); zero None for formats without a zero point."""
     B, H, _, D = packed.shape
     _check(spec, D)
-    u, nb = word_layout(spec.bits)
+    bits = code_format(spec).code_bits
+    u, nb = word_layout(bits)
     out = torch.empty(B, H, n, D, dtype=torch.float32, device=packed.device)
     if n == 0:
         return out
+    table, has_table, zero, has_zero = _table_and_zero(spec, zero, packed.device)
     TT = 64
     _dequant_kernel[(B * H, -(-n // TT))](
         packed, packed.stride(0), packed.stride(1), packed.stride(2),
         scale, zero, scale.stride(0), scale.stride(1), scale.stride(2),
+        table,
         out, out.stride(0), out.stride(1), out.stride(2),
         H, n,
-        D=D, G=spec.group_size, BITS=spec.bits, NB=nb, M=BLOCK // u, BLK=BLOCK, TT=TT,
-        AXIS_TOKEN=spec.axis == "token", enable_fp_fusion=False,
+        D=D, G=spec.group_size, BITS=bits, NB=nb, M=BLOCK // u, BLK=BLOCK, TT=TT,
+        AXIS_TOKEN=spec.axis == "token", HAS_TABLE=has_table, HAS_ZERO=has_zero, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
@@ -305,20 +348,22 @@ def dequantize_packed(packed, scale, zero, spec: QuantSpec, length: int, dtype=t
 
 @triton.jit
 def _deq_rows(
-    p_ptr, spr, s_ptr, z_ptr, sqt, i, ok,
+    p_ptr, spr, s_ptr, z_ptr, sqt, t_ptr, i, ok,
     D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
-    AXIS_TOKEN: tl.constexpr,
+    AXIS_TOKEN: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
-    """Dequantized rows [len(i), D] (fp32) of storage positions i; zero where not ok."""
+    """Dequantized rows [len(i), D] (fp32) of storage positions i: table[code] * scale (+ zero); zero where not ok."""
     d = tl.arange(0, D)
-    c = _load_codes(p_ptr, i, ok, spr, D, BITS, NB, M, BLK).to(tl.float32)
+    c = _code_values(_load_codes(p_ptr, i, ok, spr, D, BITS, NB, M, BLK), t_ptr, ok, HAS_TABLE)
     if AXIS_TOKEN:
         q_off = i[:, None] * sqt + (d // G)[None, :]
     else:
         q_off = (i // G)[:, None] * sqt + d[None, :]
     s = tl.load(s_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    return c * s + z
+    out = c * s
+    if HAS_ZERO:
+        out = out + tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -333,16 +378,19 @@ def _decode_attn_kernel(
     o_ptr, sob, soh,  # output [B, 1, Hq, D] (fp32)
     # sinks [B, Hkv, S_cap, D] (keys, values), the first s positions
     sk_ptr, sv_ptr, ssb, ssh, sst, s,
-    # key history: packed + params, positions [S, S + qk); key window [B, Hkv, Wk, D] = positions [N - Wk, N)
-    kp_ptr, kpb, kph, kpr, ks_ptr, kz_ptr, kqb, kqh, kqt, qk,
+    # key history: packed + params (+ the format's table), positions [S, S + qk); key window [B, Hkv, Wk, D] =
+    # positions [N - Wk, N)
+    kp_ptr, kpb, kph, kpr, ks_ptr, kz_ptr, kqb, kqh, kqt, kt_ptr, qk,
     kw_ptr, kwb, kwh, kwt, Wk, wk,
     # value history and window, the same
-    vp_ptr, vpb, vph, vpr, vs_ptr, vz_ptr, vqb, vqh, vqt, qv,
+    vp_ptr, vpb, vph, vpr, vs_ptr, vz_ptr, vqb, vqh, vqt, vt_ptr, qv,
     vw_ptr, vwb, vwh, vwt, Wv, wv,
     Hq, R, N, S,
     D: tl.constexpr, BLK: tl.constexpr, TT: tl.constexpr,
     KG: tl.constexpr, KBITS: tl.constexpr, KNB: tl.constexpr, KM: tl.constexpr, K_TOKEN: tl.constexpr,
+    K_TABLE: tl.constexpr, K_ZERO: tl.constexpr,
     VG: tl.constexpr, VBITS: tl.constexpr, VNB: tl.constexpr, VM: tl.constexpr, V_TOKEN: tl.constexpr,
+    V_TABLE: tl.constexpr, V_ZERO: tl.constexpr,
 ):  # fmt: skip
     # one program per (batch row, query head); its kv head is hq // R (GQA without repeating K/V)
     pid = tl.program_id(0)
@@ -362,8 +410,8 @@ def _decode_attn_kernel(
         k_win = live & (pos >= N - wk)
         k = _fp_rows(sk_ptr + b * ssb + hk * ssh, sst, pos, is_sink, D)
         k += _deq_rows(
-            kp_ptr + b * kpb + hk * kph, kpr, ks_ptr + b * kqb + hk * kqh, kz_ptr + b * kqb + hk * kqh, kqt,
-            pos - S, k_hist, D, KG, KBITS, KNB, KM, BLK, K_TOKEN,
+            kp_ptr + b * kpb + hk * kph, kpr, ks_ptr + b * kqb + hk * kqh, kz_ptr + b * kqb + hk * kqh, kqt, kt_ptr,
+            pos - S, k_hist, D, KG, KBITS, KNB, KM, BLK, K_TOKEN, K_TABLE, K_ZERO,
         )  # fmt: skip
         k += _fp_rows(kw_ptr + b * kwb + hk * kwh, kwt, pos - (N - Wk), k_win, D)
         scores = tl.sum(k * q[None, :], axis=1)
@@ -376,8 +424,8 @@ def _decode_attn_kernel(
         v_win = live & (pos >= N - wv)
         v = _fp_rows(sv_ptr + b * ssb + hk * ssh, sst, pos, is_sink, D)
         v += _deq_rows(
-            vp_ptr + b * vpb + hk * vph, vpr, vs_ptr + b * vqb + hk * vqh, vz_ptr + b * vqb + hk * vqh, vqt,
-            pos - S, v_hist, D, VG, VBITS, VNB, VM, BLK, V_TOKEN,
+            vp_ptr + b * vpb + hk * vph, vpr, vs_ptr + b * vqb + hk * vqh, vz_ptr + b * vqb + hk * vqh, vqt, vt_ptr,
+            pos - S, v_hist, D, VG, VBITS, VNB, VM, BLK, V_TOKEN, V_TABLE, V_ZERO,
         )  # fmt: skip
         v += _fp_rows(vw_ptr + b * vwb + hk * vwh, vwt, pos - (N - Wv), v_win, D)
         l_sum = l_sum * alpha + tl.sum(p, axis=0)
@@ -399,8 +447,12 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     out = torch.empty(B, 1, Hq, D, dtype=torch.float32, device=query.device)
     dummy_p = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=query.device)
     dummy_q = torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=query.device)
+    dummy_t = torch.zeros(1, dtype=torch.float32, device=query.device)
     kp, ksc, kz = (ks.codes, ks.scale, ks.zero) if ks.codes is not None else (dummy_p, dummy_q, dummy_q)
     vp, vsc, vz = (vs.codes, vs.scale, vs.zero) if vs.codes is not None else (dummy_p, dummy_q, dummy_q)
+    k_zero, v_zero = kz is not None, vz is not None  # formats without a zero point (fp8) add none
+    kz, vz = (kz if k_zero else dummy_q), (vz if v_zero else dummy_q)
+    kt, vt = (ks.table if ks.table is not None else dummy_t), (vs.table if vs.table is not None else dummy_t)
     ku, knb = word_layout(ks.bits)
     vu, vnb = word_layout(vs.bits)
     sk, sv = ks.sink, vs.sink
@@ -409,14 +461,16 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         q, q.stride(0), q.stride(1),
         out, out.stride(0), out.stride(2),
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), min(S, N),
-        kp, kp.stride(0), kp.stride(1), kp.stride(2), ksc, kz, ksc.stride(0), ksc.stride(1), ksc.stride(2), ks.n,
+        kp, kp.stride(0), kp.stride(1), kp.stride(2), ksc, kz, ksc.stride(0), ksc.stride(1), ksc.stride(2), kt, ks.n,
         kw, kw.stride(0), kw.stride(1), kw.stride(2), kw.shape[2], ks.w,
-        vp, vp.stride(0), vp.stride(1), vp.stride(2), vsc, vz, vsc.stride(0), vsc.stride(1), vsc.stride(2), vs.n,
+        vp, vp.stride(0), vp.stride(1), vp.stride(2), vsc, vz, vsc.stride(0), vsc.stride(1), vsc.stride(2), vt, vs.n,
         vw, vw.stride(0), vw.stride(1), vw.stride(2), vw.shape[2], vs.w,
         Hq, Hq // Hkv, N, S,
         D=D, BLK=BLOCK, TT=64,
         KG=ks.group_size, KBITS=ks.bits, KNB=knb, KM=BLOCK // ku, K_TOKEN=ks.axis == "token",
+        K_TABLE=ks.table is not None, K_ZERO=k_zero,
         VG=vs.group_size, VBITS=vs.bits, VNB=vnb, VM=BLOCK // vu, V_TOKEN=vs.axis == "token",
+        V_TABLE=vs.table is not None, V_ZERO=v_zero,
     )  # fmt: skip
     return out.to(query.dtype)
 

@@ -25,13 +25,18 @@ class StreamView(NamedTuple):
 
     sink: [B, H, >= s, D] exact tokens; the first s rows are attended.
     codes: uint8 [B, H, rows, D] bit-packed along tokens (`kvq_lab.quant.pack` layout), or None (nothing quantized).
-    scale, zero: fp16 [B, H, T, D/G] (axis `token`) or [B, H, T/G, D] (axis `channel`); None with codes.
+    scale, zero: fp16 [B, H, T, D/G] (axis `token`) or [B, H, T/G, D] (axis `channel`); None with codes. zero is
+        also None where the code format stores no zero point (fp8): then x' = table[code] * scale.
     n: quantized history tokens (storage positions [0, n)).
     window: [B, H, W, D] full-precision buffer (W >= w); its last w rows are the window's tokens.
     w: window tokens.
-    bits, group_size, axis: the code layout; `axis` is the grouping axis, "token" or "channel".
+    bits, group_size, axis: the code layout (`bits` per stored code); `axis` is the grouping axis, "token" or
+        "channel".
     history: fp32 [B, H, n, D], the history already dequantized (pre-RoPE keys re-rotated at their positions), or
         None. Only the PyTorch path reads it; kernels that read codes refuse a view that carries it.
+    table: fp32 [2^bits], contiguous, on the codes' device: the value of each code before scale and zero
+        (`kvq_lab.quant.formats`: x' = table[code] * scale + zero). None: every code is its own value (int), so
+        kernels use the code itself, exactly as before formats existed.
     """
 
     sink: torch.Tensor
@@ -45,6 +50,7 @@ class StreamView(NamedTuple):
     group_size: int
     axis: str
     history: torch.Tensor | None = None
+    table: torch.Tensor | None = None
 
 
 class DecodeView(NamedTuple):
