@@ -13,6 +13,19 @@ ROPE = ("post", "pre")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "format") -> None:
+    """One-line QuantConfigError unless the spec's code format exists, takes its bits (fp8: 8) and its options
+    (lut: a codebook). `int` without options is checked by `QuantSpec` itself (its widths are `BITS`), so the
+    default config stays free of torch; other formats import the registry and its plugins (torch) here."""
+    if spec.is_identity or (spec.format == "int" and spec.codebook is None):
+        return
+    from kvq_lab.quant.formats import all as _formats  # noqa: F401  (registers the built-in formats)
+    from kvq_lab.quant.formats import get_format
+
+    options = {} if spec.codebook is None else {"codebook": spec.codebook}
+    get_format(spec.format, spec.bits, bits_name, format_name, **options)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Independent key and value quantizers plus the cache policy.
@@ -27,6 +40,8 @@ class CacheConfig:
         dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
     key_transform, value_transform: transforms around each quantizer (`kvq_lab.quant.transforms`), canonical
         spellings in order, e.g. ("rope_pre", "hadamard"); a name, `none` or a list is accepted and normalised.
+    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut),
+        checked here against its bits (fp8: 8 only).
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
@@ -54,6 +69,8 @@ class CacheConfig:
         object.__setattr__(self, "rope", "pre" if "rope_pre" in kt else "post")  # one config, however it was spelled
         if self.backend not in BACKENDS:
             raise QuantConfigError(f"backend={self.backend!r}; allowed: {', '.join(BACKENDS)}")
+        for tensor, spec in (("key", self.key), ("value", self.value)):
+            check_format(spec, f"{tensor}_bits", f"{tensor}_format")
         for name in ("residual_length", "sink_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
