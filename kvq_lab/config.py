@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvq_lab.cache.config import BACKENDS, MODES, ROPE, CacheConfig
 from kvq_lab.errors import ConfigError
-from kvq_lab.quant.spec import AXES, BITS, QuantConfigError, QuantSpec
+from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, QuantConfigError, QuantSpec
 
 __all__ = ["ConfigError", "RunPlan", "RunSchema", "cache_config", "config_hash", "register_schema", "validate"]
 
@@ -33,8 +33,11 @@ class RunSchema:
     key_axis: Any = "channel"
     value_axis: Any = "token"
     bits: Any = None  # sets key_bits and value_bits together when given
-    key_bits: Any = 2
-    value_bits: Any = 2
+    key_bits: Any = None  # null: the format's default width (int: 2, fp8: 8)
+    value_bits: Any = None
+    format: Any = None  # sets key_format and value_format together when given
+    key_format: Any = None  # null: int
+    value_format: Any = None
     group_size: Any = 32
     residual_length: Any = 0
     sink_tokens: Any = 0
@@ -81,23 +84,51 @@ def _choice(cfg, key: str, allowed) -> str:
     return v
 
 
-def _bits(cfg, key: str) -> int:
+def _bits(cfg, key: str) -> int | None:
     v = cfg.get(key)
-    if isinstance(v, bool) or v not in BITS:
+    if v is not None and (isinstance(v, bool) or v not in BITS):
         raise ConfigError(
             f"{key}={v!r} is not supported; choose one of: {', '.join(map(str, BITS))} (16 = no quantization)"
         )
     return v
 
 
+def _code(cfg, tensor: str) -> tuple[str, int]:
+    """(format, bits) of one tensor's quantizer: `format` or `<tensor>_format` (null: int), `bits` or
+    `<tensor>_bits` (null: the format's default width). One-line errors name the knobs as the user spelled them."""
+    both, own = cfg.get("format"), cfg.get(f"{tensor}_format")
+    if both is not None and own is not None and both != own:
+        raise ConfigError(f"format={both} and {tensor}_format={own} disagree; set one of them")
+    fname = "format" if both is not None else f"{tensor}_format"
+    fmt = both if both is not None else own if own is not None else DEFAULT_FORMAT
+    bname = "bits" if cfg.get("bits") is not None else f"{tensor}_bits"
+    bits = _bits(cfg, bname)
+    if fmt == DEFAULT_FORMAT:  # int: every width in BITS, no registry (validation stays torch-free)
+        return fmt, DEFAULT_BITS if bits is None else bits
+    from kvq_lab.quant.formats import all as _formats  # noqa: F401  (registers the built-in formats)
+    from kvq_lab.quant.formats import default_bits, get_format
+
+    try:
+        if not isinstance(fmt, str):
+            raise QuantConfigError(f"{fname}={fmt!r} must be a format name, e.g. int or fp8_e4m3")
+        if bits is None:
+            return fmt, default_bits(fmt, fname)
+        if bits < 16:  # 16 quantizes nothing, whatever the format (the exact oracle)
+            get_format(fmt, bits, bname, fname)
+        else:  # the name must still exist; the identity has no format, so 16 bits is one cache however spelled
+            default_bits(fmt, fname)
+            return DEFAULT_FORMAT, bits
+        return fmt, bits
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def cache_config(cfg: DictConfig) -> CacheConfig:
     """The cache the run asks for, from the top-level knobs (validated, one-line errors)."""
     key_axis = _choice(cfg, "key_axis", AXES)
     value_axis = _choice(cfg, "value_axis", AXES)
-    if cfg.get("bits") is not None:
-        key_bits = value_bits = _bits(cfg, "bits")
-    else:
-        key_bits, value_bits = _bits(cfg, "key_bits"), _bits(cfg, "value_bits")
+    key_format, key_bits = _code(cfg, "key")
+    value_format, value_bits = _code(cfg, "value")
     g = _int(cfg, "group_size", lo=1, hint=" (e.g. 32)")
     _int(cfg, "residual_length", lo=0)
     _int(cfg, "sink_tokens", lo=0)
@@ -106,8 +137,8 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
     backend = _choice(cfg, "backend", BACKENDS)
     try:
         return CacheConfig(
-            key=QuantSpec(key_bits, g, key_axis),
-            value=QuantSpec(value_bits, g, value_axis),
+            key=QuantSpec(key_bits, g, key_axis, key_format),
+            value=QuantSpec(value_bits, g, value_axis, value_format),
             mode=mode,
             residual_length=cfg.residual_length,
             sink_tokens=cfg.sink_tokens,
@@ -232,6 +263,25 @@ def check_device(cfg: DictConfig, cache: CacheConfig) -> None:
         err = build_error()
         if err is not None:
             raise ConfigError(f"backend=cpu: {err.splitlines()[0]}")
+    check_backend_formats(cache)
+
+
+def check_backend_formats(cache: CacheConfig) -> None:
+    """An explicit packed-mode backend reads every code format of the cache (a format may refuse a kernel);
+    `auto` needs no check: it falls back to the PyTorch path with a warning."""
+    specs = [s for s in (cache.key, cache.value) if not s.is_identity and s.format != DEFAULT_FORMAT]
+    if cache.mode != "packed" or cache.backend not in ("cpu", "triton") or not specs:
+        return
+    from kvq_lab.cache.backends import check_formats
+
+    if cache.backend == "cpu":
+        from kvq_lab.kernels import cpu_kernel  # noqa: F401  (declares the formats it reads)
+    else:
+        from kvq_lab.kernels import triton_kernels  # noqa: F401
+    try:
+        check_formats(cache.backend, specs)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_paths(cfg: DictConfig) -> Path:
@@ -273,6 +323,9 @@ CACHE_KNOBS = (
     "bits",
     "key_bits",
     "value_bits",
+    "format",
+    "key_format",
+    "value_format",
     "group_size",
     "residual_length",
     "sink_tokens",

@@ -16,6 +16,7 @@ BITS = (1, 2, 3, 4, 8, 16)
 # 16 means "no quantization": the identity quantizer, used as the exact oracle in tests.
 IDENTITY_BITS = 16
 DEFAULT_FORMAT = "int"
+DEFAULT_BITS = 2  # int's width when none is given (`key_bits: null`); config validation reads it without torch
 _FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
