@@ -47,7 +47,8 @@ class QuantizedLayerBase(DynamicLayer):
     """Base of kvq_lab cache layers: holds the config, the transform pipelines, the RoPE helper and the padding state.
 
     k_pipe, v_pipe: the transforms around the key and value quantizers (`kvq_lab.quant.transforms`), None where
-    none applies; rope: the model's rotary module, kept where a transform reads positions (rope_pre).
+    none applies; positional: some transform reads positions (rope_pre), computed with `rope`, the model's rotary
+    module (None for a model without one).
 
     `self.keys` / `self.values` follow `DynamicLayer`'s meaning where a subclass keeps exact tensors; subclasses
     that store codes override `get_seq_length`.
@@ -63,15 +64,10 @@ class QuantizedLayerBase(DynamicLayer):
         self.v_pipe: Pipeline | None
         self.k_pipe, self.v_pipe = cfg.pipelines()
         self.positional = any(p is not None and p.positional for p in (self.k_pipe, self.v_pipe))
-        self.rope = rope if self.positional else None
+        self.rope = rope
         self.padding = padding
         self.layer_idx = -1
         self.steps = 0
-
-    def rope_cos_sin(self, key_states: torch.Tensor, start: int, kwargs: dict):
-        B, _, T, _ = key_states.shape
-        pos = position_ids_from(kwargs, B, start, T, key_states.device)
-        return self.rope.cos_sin(key_states, pos)
 
     def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
         """`Positions` of tokens at position_ids [B, T] (cos/sin from the model's rotary module where it has one)."""

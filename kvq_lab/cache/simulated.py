@@ -17,6 +17,11 @@ End to end, a padded row's K/V reach the cache only as bit-exact as the model's 
 (masked SDPA over a longer row sums in another order: ~1e-5 differences from the second layer on, SmolLM2 fp32),
 and 2-bit fake quant of every token, prefill included, can amplify such differences (an fp16 parameter or a code
 flips), so batch_size=3 and batch_size=1 generations can still differ on a real model.
+
+Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the stream runs on the transformed
+tensor T(x) (kept beside the exact one, with the tokens' positions where a transform reads them), and attention sees
+T^-1 of its fake quantization; sinks stay exact. `simulate` is the same arithmetic on a whole tensor in one call
+(the probes use it; the layer reproduces it token by token).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from kvq_lab.quant.reference import fake_quant
 from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.quant.transforms import Pipeline, Positions
 
 from .base import QuantizedLayerBase, register_layer
 
@@ -59,6 +65,28 @@ class FakeQuantStream:
         return torch.cat(parts, dim=-2)
 
 
+def _around(
+    stream: FakeQuantStream, exact: torch.Tensor, transformed: torch.Tensor, pipe: Pipeline, pos: Positions | None
+) -> torch.Tensor:
+    """What attention sees of a tensor whose quantizer is wrapped in `pipe`: exact, transformed [b, H, T, D] (no
+    padding; pos: their positions or None) -> the stream's fake quantization of `transformed` with the transforms
+    undone, sinks exact (as the model made them), [b, H, T, D]."""
+    s = stream.sink
+    deq = stream.view(transformed)[..., s:, :]
+    back = pipe.inverse(deq, None if pos is None else pos.take(slice(None), slice(s, None)))
+    return torch.cat([exact[..., :s, :], back], dim=-2)
+
+
+def simulate(
+    x: torch.Tensor, spec: QuantSpec, pipe: Pipeline | None = None, pos: Positions | None = None, sink_tokens: int = 0
+) -> torch.Tensor:
+    """What simulated mode's attention sees of a whole tensor x [B, H, T, D] (no padding), in one call: the first
+    `sink_tokens` tokens exact; the others transformed by `pipe` (at positions `pos`), fake-quantized with groups from
+    the first non-sink token (a partial per-channel group zero-padded, as KIVI's fake quant), transforms undone."""
+    stream = FakeQuantStream(spec, sink_tokens)
+    return stream.view(x) if pipe is None else _around(stream, x, pipe.forward(x, pos), pipe, pos)
+
+
 def left_pads(valid: torch.Tensor) -> list[int]:
     """valid [B, T] bool (False = padding) -> padding positions per row; the padding must come first."""
     token_then_pad = (valid[:, 1:] < valid[:, :-1]).any(1)  # [B]
@@ -82,8 +110,11 @@ class SimulatedLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._streams: list[tuple[FakeQuantStream, FakeQuantStream]] | None = None  # set at the first update
         self._padded = False
-        self._pre_keys: torch.Tensor | None = None  # pre-RoPE keys (rope=pre only)
-        self._cos = self._sin = None
+        # transformed keys / values [B, H, T, D] where a transform applies, and the positions of all tokens where
+        # a transform reads them (rope_pre)
+        self._tk: torch.Tensor | None = None
+        self._tv: torch.Tensor | None = None
+        self._pos: Positions | None = None
 
     def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
         S = self.cfg.sink_tokens
@@ -102,21 +133,26 @@ class SimulatedLayer(QuantizedLayerBase):
             self._streams = [self._new_streams() for _ in range(B if self._padded else 1)]
         elif self._padded != (valid is not None):
             raise ValueError("the padding mask changed during generation; call set_padding before the first update")
-        if self.rope is not None:
-            cos, sin = self.rope_cos_sin(key_states, start, kwargs)
-            pre = self.rope.unrotate(key_states, cos, sin)
-            self._pre_keys = pre if self._pre_keys is None else torch.cat([self._pre_keys, pre], dim=-2)
-            self._cos = cos if self._cos is None else torch.cat([self._cos, cos], dim=-2)
-            self._sin = sin if self._sin is None else torch.cat([self._sin, sin], dim=-2)
+        pos = None
+        if self.positional:
+            pos = self.new_positions(key_states, start, kwargs)
+            self._pos = pos if self._pos is None else self._pos.cat(pos)
+        if self.k_pipe is not None:
+            tk = self.k_pipe.forward(key_states, pos)
+            self._tk = tk if self._tk is None else torch.cat([self._tk, tk], dim=-2)
+        if self.v_pipe is not None:
+            tv = self.v_pipe.forward(value_states, pos)
+            self._tv = tv if self._tv is None else torch.cat([self._tv, tv], dim=-2)
 
         if not self._padded:  # the common case (batch 1): one stream pair over all rows, no slicing or copies
-            keys, values = self._view(*self._tensors(), *self._streams[0])
+            keys, values = self._view(*self._tensors(), self._pos, *self._streams[0])
         else:
             # rows are few: each row's streams run on its real tokens, alone, exactly as for a batch of one
             ks, vs = [], []
             for b, p in enumerate(left_pads(valid)):
                 real = [None if x is None else x[b : b + 1, :, p:] for x in self._tensors()]
-                k, v = self._view(*real, *self._streams[b])
+                pos = None if self._pos is None else self._pos.take(slice(b, b + 1), slice(p, None))
+                k, v = self._view(*real, pos, *self._streams[b])
                 # padding positions pass through exact (finite, and hidden by the attention mask)
                 ks.append(torch.cat([self.keys[b : b + 1, :, :p], k], dim=-2))
                 vs.append(torch.cat([self.values[b : b + 1, :, :p], v], dim=-2))
@@ -126,17 +162,13 @@ class SimulatedLayer(QuantizedLayerBase):
         return keys, values
 
     def _tensors(self):
-        """The per-position tensors of the layer: exact keys and values [B, H, T, D]; rope=pre: pre-RoPE keys
-        [B, H, T, D], cos and sin [B, 1, T, D] (else None)."""
-        return self.keys, self.values, self._pre_keys, self._cos, self._sin
+        """The per-position tensors of the layer [B, H, T, D]: exact keys and values, and their transformed
+        versions (None where no transform applies)."""
+        return self.keys, self.values, self._tk, self._tv
 
-    def _view(self, keys, values, pre_keys, cos, sin, k_stream: FakeQuantStream, v_stream: FakeQuantStream):
-        """What attention sees of rows holding no padding, given `_tensors()` of those rows ([b, H, T, D] and
-        [b, 1, T, D]): fake-quantized keys and values [b, H, T, D]."""
-        values = v_stream.view(values)
-        if self.rope is None:
-            return k_stream.view(keys), values
-        s = self.cfg.sink_tokens
-        deq = k_stream.view(pre_keys)
-        rotated = self.rope.rotate(deq[..., s:, :], cos[..., s:, :], sin[..., s:, :])
-        return torch.cat([keys[..., :s, :], rotated], dim=-2), values  # sinks: the exact post-RoPE keys
+    def _view(self, keys, values, tk, tv, pos, k_stream: FakeQuantStream, v_stream: FakeQuantStream):
+        """What attention sees of rows holding no padding, given `_tensors()` of those rows ([b, H, T, D]) and
+        their positions (or None): fake-quantized keys and values [b, H, T, D]."""
+        keys = k_stream.view(keys) if self.k_pipe is None else _around(k_stream, keys, tk, self.k_pipe, pos)
+        values = v_stream.view(values) if self.v_pipe is None else _around(v_stream, values, tv, self.v_pipe, pos)
+        return keys, values

@@ -3,9 +3,10 @@
 For one layer's captured (exact) query q [H, T, D], key k and value v [H_kv, T, D] (KIVI Table 2's setting: the
 quantizer in isolation, exact inputs at every layer):
 
-    k', v'  = fake quant of the whole prompt's K and V (`kvq_lab.quant.reference.fake_quant`, partial per-channel
-              groups zero-padded as KIVI's fake quant; sink tokens exact; rope=pre: K un-rotated, quantized,
-              re-rotated at its positions)
+    k', v'  = simulated mode's view of the whole prompt's K and V (`kvq_lab.cache.simulated.simulate`: fake quant,
+              partial per-channel groups zero-padded as KIVI's fake quant; sink tokens exact; the cache config's
+              transforms applied before quantization and undone after, e.g. rope=pre: K un-rotated, quantized,
+              re-rotated at its positions; hadamard: rotated, quantized, rotated back)
     A       = softmax(q K^T * scaling + causal mask)          A' = softmax(q K'^T * scaling + causal mask)
     O       = A V        O_k = A' V  (only K quantized)        O_v = A V'  (only V quantized, A exact, as KIVI)
     O_kv    = A' V'  (both)
@@ -29,8 +30,7 @@ import torch
 
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.quant.reference import fake_quant
-from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.cache.simulated import simulate
 
 from .capture import LayerCapture
 from .metrics import all_errors, sparsity, topk_mass
@@ -40,30 +40,23 @@ from .settings import KV_QUANTITIES, ProbeSettings
 def quantize_kv(
     key: torch.Tensor, value: torch.Tensor, cache: CacheConfig, rope: RopeHelper | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fake-quantize one layer's whole-prompt K and V ([H_kv, T, D], post-RoPE keys) as the cache config says.
+    """Fake-quantize one layer's whole-prompt K and V ([H_kv, T, D], post-RoPE keys, fp32 out) as the cache config
+    says, with simulated mode's arithmetic (`kvq_lab.cache.simulated.simulate`, the one implementation).
 
-    Sink tokens stay exact and groups start at the first non-sink token (as the simulated cache). rope=pre needs
-    `rope` (the model's rotary module): keys are un-rotated at positions 0..T-1, quantized, and rotated back.
-    `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's fake quant).
+    Sink tokens stay exact and groups start at the first non-sink token; the config's transforms wrap each
+    quantizer. Position-dependent transforms (rope=pre) need `rope` (the model's rotary module): the tokens sit at
+    positions 0..T-1. `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
+    fake quant).
     """
-    s = cache.sink_tokens
-
-    def fq(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-        if spec.is_identity or x.shape[-2] <= s:
-            return x
-        out = fake_quant(x[None, :, s:], spec, partial="zero")[0]
-        return torch.cat([x[:, :s], out], dim=-2) if s else out
-
-    if cache.rope == "pre" and not cache.key.is_identity:
+    kp, vp = cache.pipelines()
+    pos = None
+    if any(p is not None and p.positional for p in (kp, vp)):
         if rope is None:
-            raise ValueError("rope=pre needs the model's rotary embedding (RopeHelper) to un-rotate the keys")
-        pos = torch.arange(key.shape[-2], device=key.device)[None]
-        cos, sin = rope.cos_sin(key[None], pos)
-        pre = RopeHelper.unrotate(key[None].float(), cos, sin)[0]
-        kq = RopeHelper.rotate(fq(pre, cache.key)[None], cos, sin)[0]
-    else:
-        kq = fq(key.float(), cache.key)
-    return kq, fq(value.float(), cache.value)
+            raise ValueError("rope=pre (key_transform=rope_pre) needs the model's rotary embedding (RopeHelper)")
+        pos = rope.positions(key[None], torch.arange(key.shape[-2], device=key.device)[None])
+    s = cache.sink_tokens
+    kq = simulate(key[None].float(), cache.key, kp, pos, s)[0]
+    return kq, simulate(value[None].float(), cache.value, vp, pos, s)[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, scaling: float, groups: int) -> torch.Tensor:
@@ -89,7 +82,7 @@ def layer_errors(
     vx, vqx = v.repeat_interleave(g, dim=0), vq.repeat_interleave(g, dim=0)
 
     a = attention(q, k, cap.scaling, g)
-    aq = a if cache.key.is_identity else attention(q, kq, cap.scaling, g)
+    aq = a if torch.equal(kq, k) else attention(q, kq, cap.scaling, g)  # 16-bit keys, no transform: A itself
     o = a @ vx
     pairs = {
         "key": (k, kq),
