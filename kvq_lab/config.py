@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from kvq_lab.cache.config import BACKENDS, MODES, ROPE, CacheConfig
 from kvq_lab.errors import ConfigError
 from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, QuantConfigError, QuantSpec
+from kvq_lab.quant.transforms import check_transforms
 
 __all__ = ["ConfigError", "RunPlan", "RunSchema", "cache_config", "config_hash", "register_schema", "validate"]
 
@@ -42,6 +43,9 @@ class RunSchema:
     residual_length: Any = 0
     sink_tokens: Any = 0
     rope: Any = "post"
+    transform: Any = None  # sets key_transform and value_transform together when given
+    key_transform: Any = None  # null or none: no transform; a name or a list of names
+    value_transform: Any = None
     mode: Any = "simulated"
     backend: Any = "auto"
     limit: Any = None
@@ -123,6 +127,31 @@ def _code(cfg, tensor: str) -> tuple[str, int]:
         raise ConfigError(str(e)) from None
 
 
+def _transforms(cfg, tensor: str) -> tuple[str, ...]:
+    """One tensor's transforms: `transform` or `<tensor>_transform` (null or none: none; a name, or a list that
+    composes in order). One-line errors name the knob as the user spelled it."""
+
+    def given(key):
+        v = cfg.get(key)
+        return OmegaConf.to_container(v) if isinstance(v, ListConfig) else v
+
+    both, own = given("transform"), given(f"{tensor}_transform")
+    if both is not None and own is not None and both != own:
+        raise ConfigError(f"transform={_show(both)} and {tensor}_transform={_show(own)} disagree; set one of them")
+    knob = "transform" if both is not None else f"{tensor}_transform"
+    try:
+        return check_transforms(both if both is not None else own, tensor, knob)
+    except QuantConfigError as e:
+        keys_only = knob == "transform" and tensor == "value"
+        hint = f" (it sets keys and values; for keys only: key_transform={_show(both)})" if keys_only else ""
+        raise ConfigError(f"{e}{hint}") from None
+
+
+def _show(v) -> str:
+    """A knob's value as written on the command line: `hadamard`, `[rope_pre,hadamard]`."""
+    return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
+
+
 def cache_config(cfg: DictConfig) -> CacheConfig:
     """The cache the run asks for, from the top-level knobs (validated, one-line errors)."""
     key_axis = _choice(cfg, "key_axis", AXES)
@@ -133,6 +162,7 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
     _int(cfg, "residual_length", lo=0)
     _int(cfg, "sink_tokens", lo=0)
     rope = _choice(cfg, "rope", ROPE)
+    key_transform, value_transform = _transforms(cfg, "key"), _transforms(cfg, "value")
     mode = _choice(cfg, "mode", MODES)
     backend = _choice(cfg, "backend", BACKENDS)
     try:
@@ -144,6 +174,8 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
             sink_tokens=cfg.sink_tokens,
             rope=rope,
             backend=backend,
+            key_transform=key_transform,
+            value_transform=value_transform,
         )
     except QuantConfigError as e:
         raise ConfigError(str(e)) from None
@@ -330,6 +362,9 @@ CACHE_KNOBS = (
     "residual_length",
     "sink_tokens",
     "rope",
+    "transform",
+    "key_transform",
+    "value_transform",
     "mode",
     "backend",
 )

@@ -163,7 +163,7 @@ def check_transforms(spellings, tensor: str, knob: str) -> tuple[str, ...]:
     knob: the setting's name in error messages (e.g. `key_transform`). Raises a one-line QuantConfigError for an
     unknown name, a transform that does not apply to `tensor`, one listed twice, or one that must come first.
     """
-    items = [spellings] if isinstance(spellings, str) else list(spellings or ())
+    items = [] if spellings is None else list(spellings) if isinstance(spellings, (list, tuple)) else [spellings]
     if items == [NONE]:
         return ()
     out = []
