@@ -156,3 +156,52 @@ def test_pre_rope_decode_matches_the_pytorch_path():
     handle = PackedKV(layers["triton"])
     got, _ = kvq_sdpa_attention(None, q, handle, handle, None, scaling=0.125)
     assert torch.equal(got, decode_attention_torch(layers["torch"].decode_view(), q, None, 0.125))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# every registered code format (small: the interpreter is slow)
+# ----------------------------------------------------------------------------------------------------------------
+from kvq_lab.quant.formats import FORMATS, default_bits  # noqa: E402
+
+FORMAT_NAMES = sorted(FORMATS)
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format_dequantizes_bit_for_bit(name, axis):
+    """Reference codes packed by pack.pack, unpacked and dequantized by the kernel (a table gather, no zero point
+    for fp8): the reference's values exactly."""
+    spec = QuantSpec(default_bits(name), 32, axis, name)
+    x = inputs(1, 2, 45, 64, 11, "outlier")
+    ref = quantize(x, spec)
+    p = PackedQTensor.from_qtensor(ref)
+    got = tk.dequantize_packed(p.packed, p.scale, p.zero, spec, 45)
+    assert torch.equal(got, dequantize(ref))
+    assert not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format_in_the_cache(name):
+    """backend=triton stores what the PyTorch path stores (other formats than int quantize with the reference), and
+    its fused decode attention over the packed view matches the PyTorch path (GQA 3:1, sinks, history, window)."""
+    bits = default_bits(name)
+    layers = {}
+    for backend in ("triton", "torch"):
+        cfg = CacheConfig(
+            key=QuantSpec(bits, 32, "channel", name), value=QuantSpec(bits, 32, "token", name), mode="packed",
+            residual_length=32, sink_tokens=2, backend=backend,
+        )  # fmt: skip
+        layers[backend] = PackedLayer(cfg, None, PaddingState())
+    k, v = inputs(1, 2, 75, 64, 5), inputs(1, 2, 75, 64, 6)
+    for layer in layers.values():
+        layer.update(k[:, :, :70], v[:, :, :70])
+        for N in range(70, 75):
+            layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    tl_, th = layers["triton"], layers["torch"]
+    for a, b in ((tl_.k_stream.store, th.k_stream.store), (tl_.v_stream.store, th.v_stream.store)):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+        assert (a.zero is None and b.zero is None) or torch.equal(a.zero, b.zero)
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(7)).to(DEV)
+    ref = decode_attention_torch(th.decode_view(), q, None, 0.125)
+    got = tk.decode_attention(tl_.decode_view(), q, None, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
