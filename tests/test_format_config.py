@@ -1,0 +1,76 @@
+"""The format knobs (`format`, `key_format`, `value_format`, and `key_bits`/`value_bits` defaulting to the format's
+width): bad input fails in one line before any model loads, labels and hashes say what the cache is."""
+
+from __future__ import annotations
+
+import pytest
+from helpers_models import compose
+
+from kvq_lab.config import ConfigError, cache_config, config_hash, validate
+from kvq_lab.quant.spec import QuantSpec
+
+BAD = [
+    (["format=fp8_e4m3", "key_bits=2"], r"^format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts: drop key_bits"),
+    (["format=fp8_e5m2", "bits=4"], r"^format=fp8_e5m2 takes 8 bits; bits=4 conflicts: drop bits, .*format=int \| lut"),
+    (["value_format=fp8_e4m3", "value_bits=3"], r"^value_format=fp8_e4m3 takes 8 bits; value_bits=3 conflicts"),
+    (["format=fp4"], r"^format='fp4' is not a registered code format; allowed: fp8_e4m3, fp8_e5m2, int, lut$"),
+    (["key_format=nf4"], r"^key_format='nf4' is not a registered code format"),
+    (["format=int", "value_format=lut"], r"^format=int and value_format=lut disagree; set one of them$"),
+    (["format=3"], r"^format=3 must be a format name"),
+    (["format=lut", "bits=5"], r"^bits=5 is not supported; choose one of: 1, 2, 3, 4, 8, 16"),
+    (["format=fp8_e4m3", "mode=packed", "residual_length=20"], r"residual_length=20 must be a multiple"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_validate_rejects(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(compose([*overrides, "model.path=/no/such/model"]))  # the cache is checked before the model
+    assert "\n" not in str(e.value)
+
+
+def test_bits_default_to_the_formats_width():
+    c = cache_config(compose([]))
+    assert (c.key, c.value) == (QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"))  # as before the knobs
+    c = cache_config(compose(["format=fp8_e4m3"]))
+    assert (c.key.format, c.key.bits, c.value.format, c.value.bits) == ("fp8_e4m3", 8, "fp8_e4m3", 8)
+    c = cache_config(compose(["format=fp8_e5m2", "bits=8"]))  # the width it takes, spelled out: fine
+    assert c.key.bits == c.value.bits == 8
+    c = cache_config(compose(["key_format=lut", "value_format=fp8_e4m3", "key_bits=4"]))
+    assert (c.key.format, c.key.bits, c.value.format, c.value.bits) == ("lut", 4, "fp8_e4m3", 8)
+    c = cache_config(compose(["key_format=fp8_e4m3"]))  # the other tensor keeps int at its default width
+    assert (c.key.bits, c.value.format, c.value.bits) == (8, "int", 2)
+
+
+def test_labels_are_unchanged_for_int_and_name_other_formats():
+    label = lambda *o: cache_config(compose(list(o))).label()  # noqa: E731
+    assert label() == "K2b-C32_V2b-T32_sim"
+    assert label("format=int", "bits=4") == label("bits=4") == "K4b-C32_V4b-T32_sim"
+    assert label("format=fp8_e4m3", "key_axis=token") == "Kfp8e4m3-T32_Vfp8e4m3-T32_sim"
+    assert label("key_format=fp8_e5m2", "mode=packed", "residual_length=32") == "Kfp8e5m2-C32_V2b-T32_pac_R32"
+    assert label("format=lut", "bits=3") == "Klut3b-C32_Vlut3b-T32_sim"
+    assert label("format=fp8_e4m3", "bits=16") == "K16b_V16b_sim"
+    lut = QuantSpec(2, 32, "token", "lut", (0.0, 0.1, 0.5, 1.0))
+    assert lut.short().startswith("lut2b.") and lut.short() != QuantSpec(2, 32, "token", "lut").short()
+
+
+def test_hash_follows_the_cache(data_dir):
+    h = lambda *o: config_hash(compose([*o, f"data_dir={data_dir}"]))  # noqa: E731
+    assert h() == h("format=int") == h("key_format=int", "value_format=int") == h("key_bits=2", "value_bits=2")
+    assert h("format=fp8_e4m3") == h("key_format=fp8_e4m3", "value_format=fp8_e4m3", "bits=8")
+    assert h("format=fp8_e4m3") != h("format=fp8_e5m2") != h()
+    assert h("format=fp8_e4m3", "bits=16") == h("bits=16")  # 16 bits quantizes nothing, whatever the format
+
+
+def test_format_run_validates(data_dir):
+    plan = validate(compose(["format=fp8_e4m3", "mode=packed", "residual_length=32", f"data_dir={data_dir}"]))
+    assert plan.cache.label() == "Kfp8e4m3-C32_Vfp8e4m3-T32_pac_R32"
+
+
+def test_cli_names_both_knobs_in_one_line(tmp_path):
+    from test_config import run_cli
+
+    p, _ = run_cli("format=fp8_e4m3", "key_bits=2", f"results_dir={tmp_path}")
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts")
