@@ -28,6 +28,7 @@ One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `f
         '''What it is, the paper, its arithmetic (the docstring is the specification).'''
         name: str = "myfmt"
         supported_bits = (2, 4)
+        default_bits = 4                        # the width when the config gives none (`key_bits: null`)
         params = ("scale",)                     # what one group stores, fp16 each
 
         def build_table(self): ...              # -> fp32 [2^bits], on the CPU
