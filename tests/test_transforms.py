@@ -1,0 +1,327 @@
+"""Transforms around the quantizer (`kvq_lab.quant.transforms`), driven by the registry.
+
+Every registered transform (its default spelling) and every row of OPTIONS is checked without a test edit: its round
+trip, the fold contract where it declares one, lossless attention through both cache modes at 16 bits, fused decode
+== materialized decode, simulated == packed where both quantize the same tokens, and the packed cache reading its
+exact tokens back as the model made them. Then hadamard's own arithmetic and direction, the knobs, and runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers_models import compose, tiny_args
+from transformers import DynamicCache
+
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache.base import PaddingState
+from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.config import ConfigError, config_hash, validate
+from kvq_lab.kernels import cpu_kernel
+from kvq_lab.probes.capture import LayerCapture
+from kvq_lab.probes.errors import layer_errors
+from kvq_lab.probes.settings import ProbeSettings
+from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.quant.transforms import TRANSFORMS, get_transform
+from kvq_lab.quant.transforms.hadamard import fwht
+
+OPTIONS = ["hadamard:16"]  # spellings with an option, beside every registered name
+SPELLINGS = sorted(TRANSFORMS) + OPTIONS
+FOLDABLE = [s for s in SPELLINGS if get_transform(s).foldable]
+# (spelling, tensor) for every tensor a transform may wrap
+APPLIES = [(s, t) for s in SPELLINGS for t in ("key", "value") if t in get_transform(s).tensors]
+
+
+def transforms_of(spelling: str, tensor: str) -> dict:
+    """CacheConfig keyword arguments putting `spelling` around `tensor`'s quantizer ("both": every tensor it takes)."""
+    tensors = get_transform(spelling).tensors if tensor == "both" else (tensor,)
+    return {f"{t}_transform": spelling for t in tensors}
+
+
+def outliers(shape, seed: int) -> torch.Tensor:
+    """Random [B, H, T, D] with one huge outlier channel, as LLM keys have."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3
+    x[..., 5] *= 20
+    return x
+
+
+@pytest.fixture(scope="module")
+def rope(tiny_model):
+    return RopeHelper(tiny_model.model.rotary_emb)
+
+
+def positions(rope, x: torch.Tensor, offsets=(0, 5)):
+    """Positions of x's tokens [B, T]; row b starts at offsets[b] (as a left-padded row's ids do)."""
+    B, _, T, _ = x.shape
+    ids = torch.arange(T)[None] + torch.tensor(offsets[:B])[:, None]
+    return rope.positions(x, ids)
+
+
+# --- the protocol, for every transform ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_inverse_undoes_forward(spelling, rope):
+    t = get_transform(spelling)
+    x = outliers((2, 3, 37, 64), 0)
+    pos = positions(rope, x)
+    y = t.forward(x, pos)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert (y - x).abs().max() > 1e-2 * x.abs().max()  # it does something: the round trip below can fail
+    err = (t.inverse(y, pos) - x).abs().max()
+    assert err <= 2e-6 * x.abs().max(), err  # fp32 rounding (measured: <= 5e-7 relative)
+    xb = x.to(torch.bfloat16)
+    assert t.forward(xb, pos).dtype == t.inverse(xb, pos).dtype == torch.bfloat16  # the model's dtype out
+    assert get_transform(t.spelling) == t  # the spelling round-trips (records and labels hold it)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_positions_are_required_exactly_where_declared(spelling):
+    t = get_transform(spelling)
+    x = outliers((1, 2, 8, 64), 1)
+    if t.positional:
+        with pytest.raises(ValueError, match="rotary") as e:
+            t.forward(x)
+        assert "\n" not in str(e.value)
+    else:
+        assert torch.equal(t.forward(x), t.forward(x, None))
+
+
+@pytest.mark.parametrize("spelling", FOLDABLE)
+def test_foldable_transforms_keep_scores_and_fold_the_output(spelling):
+    """What `foldable` promises kvq_sdpa: (q M)·(k M) = q·k, and M^-1 (A (v M)) = A v, to fp32 precision."""
+    t = get_transform(spelling)
+    q, k, v = outliers((1, 2, 4, 64), 2), outliers((1, 2, 30, 64), 3), outliers((1, 2, 30, 64), 4)
+    s = q @ k.transpose(-1, -2)
+    torch.testing.assert_close(t.forward(q) @ t.forward(k).transpose(-1, -2), s, rtol=1e-5, atol=1e-5 * s.abs().max())
+    a = torch.softmax(s / 100, -1)
+    o = a @ v
+    torch.testing.assert_close(t.inverse(a @ t.forward(v)), o, rtol=1e-5, atol=1e-5 * o.abs().max())
+
+
+# --- through the caches ---------------------------------------------------------------------------------------
+
+
+def logits_per_step(model, cache, ids, steps=4):
+    """Prefill logits, then `steps` greedy decode steps' logits: [steps + 1] tensors."""
+    out = []
+    with torch.no_grad():
+        lg = model(ids, past_key_values=cache).logits[:, -1]
+        out.append(lg)
+        for _ in range(steps):
+            lg = model(lg.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+            out.append(lg)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["simulated", "packed"])
+@pytest.mark.parametrize("spelling,tensor", APPLIES)
+def test_transform_alone_leaves_attention_unchanged(tiny_model, mode, spelling, tensor):
+    """16-bit quantizers with the transform: DynamicCache's logits to fp32 precision; 2 bits with it: not."""
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+    ref = logits_per_step(tiny_model, DynamicCache(config=tiny_model.config), ids)
+    fp = CacheConfig(QuantSpec(16), QuantSpec(16), mode=mode, backend="torch", **transforms_of(spelling, tensor))
+    got = logits_per_step(tiny_model, QuantizedKVCache.for_model(tiny_model, fp), ids)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    spec = QuantSpec(2, 32, "token")
+    low = CacheConfig(spec, spec, mode=mode, backend="torch", **transforms_of(spelling, tensor))
+    got = logits_per_step(tiny_model, QuantizedKVCache.for_model(tiny_model, low), ids)
+    assert (got[-1] - ref[-1]).abs().max() > 1e-2
+
+
+BACKENDS = ["torch"] + (["cpu"] if cpu_kernel.build_error() is None else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, monkeypatch):
+    """Packed mode: the fused decode path (kvq_sdpa; a foldable transform maps the query and the output around the
+    kernel, another comes undone in the view) gives the logits of attention over the materialized cache."""
+    calls = []
+    view = PackedLayer.decode_view
+    monkeypatch.setattr(PackedLayer, "decode_view", lambda self: calls.append(1) or view(self))
+    kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
+    cfg = CacheConfig(kspec, vspec, mode="packed", residual_length=32, sink_tokens=2, backend=backend,
+                      **transforms_of(spelling, "both"))  # fmt: skip
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
+    fused = QuantizedKVCache.for_model(tiny_model, cfg)  # routes the model through kvq_sdpa
+    plain = QuantizedKVCache(cfg, tiny_model.config.num_hidden_layers, tiny_model.model.rotary_emb)  # not routed
+    a = logits_per_step(tiny_model, fused, ids, steps=6)
+    assert len(calls) == 6 * tiny_model.config.num_hidden_layers  # every decode step of every layer went fused
+    b = logits_per_step(tiny_model, plain, ids, steps=6)
+    assert len(calls) == 6 * tiny_model.config.num_hidden_layers
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("S", [0, 2])
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_packed_agrees_with_simulated(spelling, S, rope):
+    """Where both modes quantize the same tokens with the same groups (R = 0: per-token values on arrival,
+    per-channel keys once a group is whole) they hold the same values, bit for bit, transforms undone alike."""
+    G = 32
+    kspec, vspec = QuantSpec(2, G, "channel"), QuantSpec(2, G, "token")
+    kw = dict(sink_tokens=S, **transforms_of(spelling, "both"))
+    sim = SimulatedLayer(CacheConfig(kspec, vspec, mode="simulated", **kw), rope, PaddingState())
+    pk = PackedLayer(CacheConfig(kspec, vspec, mode="packed", backend="torch", **kw), rope, PaddingState())
+    k, v = outliers((1, 2, 130, 64), 7), outliers((1, 2, 130, 64), 8)
+    L = 64 + S
+    sim.update(k[:, :, :L], v[:, :, :L])
+    pk.update(k[:, :, :L], v[:, :, :L])
+    for N in range(L, 130):
+        ks, vs = sim.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        pk.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        K, V = pk.materialize()
+        whole = S + (N + 1 - S) // G * G
+        assert torch.equal(K[:, :, :whole], ks[:, :, :whole]), N
+        assert torch.equal(V, vs), N
+        exact = k[:, :, whole : N + 1]  # packed keeps the partial group exact: k to the transform's round trip
+        torch.testing.assert_close(K[:, :, whole:], exact, rtol=0, atol=2e-6 * k.abs().max())
+
+
+@pytest.mark.parametrize("kax", ["channel", "token"])
+@pytest.mark.parametrize("spelling,tensor", APPLIES)
+def test_packed_reads_back_what_the_model_made(spelling, tensor, kax, rope):
+    """Sinks exactly, the full-precision window to fp32 rounding, the history within the quantizer's error, for every
+    position of a packed cache whose quantizer is wrapped in the transform (rope_pre once returned its window
+    un-rotated: this is the test that would have caught it)."""
+    spec = QuantSpec(8, 32, kax)
+    cfg = CacheConfig(spec, spec, mode="packed", residual_length=32, sink_tokens=2, backend="torch",
+                      **transforms_of(spelling, tensor))  # fmt: skip
+    layer = PackedLayer(cfg, rope, PaddingState())
+    k, v = outliers((1, 2, 120, 64), 9), outliers((1, 2, 120, 64), 10)
+    layer.update(k[:, :, :75], v[:, :, :75])
+    for N in range(75, 120):
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    x = (k if tensor == "key" else v)[:, :, :120]
+    got = layer.materialize()[0 if tensor == "key" else 1]
+    stream = layer.k_stream if tensor == "key" else layer.v_stream
+    q = stream.n_quantized(120)
+    assert torch.equal(got[:, :, :2], x[:, :, :2])  # sinks
+    torch.testing.assert_close(got[:, :, 2 + q :], x[:, :, 2 + q :], rtol=0, atol=1e-5 * x.abs().max())  # window
+    hist = (got[:, :, 2 : 2 + q] - x[:, :, 2 : 2 + q]).abs()
+    assert 0 < hist.max() < 0.02 * x.abs().max()  # 8-bit codes: quantized, and close
+
+
+# --- hadamard -------------------------------------------------------------------------------------------------
+
+
+def sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@pytest.mark.parametrize("block", [None, 2, 16, 64])
+def test_hadamard_is_the_sylvester_rotation(block):
+    x = outliers((2, 3, 11, 64), 11)
+    n = block or 64
+    ref = (x.view(2, 3, 11, 64 // n, n) @ sylvester(n)).view(2, 3, 11, 64) / math.sqrt(n)
+    t = get_transform("hadamard" if block is None else f"hadamard:{block}")
+    torch.testing.assert_close(t.forward(x), ref, rtol=1e-5, atol=1e-5 * x.abs().max())
+    assert torch.equal(fwht(x, n), fwht(x.flip(0), n).flip(0))  # butterflies only: no dependence on neighbours
+
+
+def test_hadamard_bits_do_not_depend_on_the_batch():
+    """Each token's rotation comes out bit for bit the same whatever else is in the tensor: this is why simulated
+    mode (whole history), packed mode (a token at a time) and the probes (one head at a time) agree exactly."""
+    t = get_transform("hadamard")
+    x = outliers((3, 2, 50, 64), 12)
+    y = t.forward(x)
+    assert torch.equal(t.forward(x[1:2]), y[1:2])
+    assert torch.equal(t.forward(x[:, :, 17:18]), y[:, :, 17:18])
+    assert torch.equal(t.forward(x[:, 1:, 3:40].contiguous()), y[:, 1:, 3:40])
+
+
+def test_hadamard_lowers_per_token_key_error_on_outlier_channels():
+    """Direction (QuaRot's reason): keys with two huge outlier channels put every per-token group's range on them;
+    a rotation spreads them over all channels, so per-token 2-bit keys reconstruct better, and the attention scores
+    and outputs as the probes measure them (`kvq_lab.probes`) err less. Per-channel groups already isolate the
+    outlier channels: the rotation gains them next to nothing. Measured here (rel_fro, mean over heads): per-token
+    key 0.533 -> 0.299, attn_score 0.784 -> 0.577, attn_out_k 0.776 -> 0.587; per-channel key 0.404 -> 0.398."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, T, D = 4, 2, 96, 64
+    k = torch.randn(Hkv, T, D, generator=g)
+    k[:, :, [3, 17]] *= 20
+    cap = LayerCapture(0, torch.randn(H, T, D, generator=g), k, torch.randn(Hkv, T, D, generator=g),
+                       torch.zeros(H, T, D), D**-0.5, H // Hkv)  # fmt: skip
+    v = QuantSpec(2, 32, "token")
+
+    def errors(axis, transform):
+        return layer_errors(cap, CacheConfig(QuantSpec(2, 32, axis), v, key_transform=transform), ProbeSettings())
+
+    base, had = errors("token", "none"), errors("token", "hadamard")
+    for q, ratio in (("key", 0.7), ("attn_score", 0.85), ("attn_out_k", 0.85)):
+        assert had[q]["rel_fro"].mean() < ratio * base[q]["rel_fro"].mean(), q
+        assert had[q]["sqnr_db"].mean() > base[q]["sqnr_db"].mean() + 2, q
+    assert torch.equal(had["value"]["rel_fro"], base["value"]["rel_fro"])  # values untouched
+    gain_t = base["key"]["rel_fro"].mean() - had["key"]["rel_fro"].mean()
+    gain_c = errors("channel", "none")["key"]["rel_fro"].mean() - errors("channel", "hadamard")["key"]["rel_fro"].mean()
+    assert gain_c < 0.2 * gain_t
+
+
+# --- knobs ----------------------------------------------------------------------------------------------------
+
+
+def test_labels_of_existing_configs_are_unchanged_and_new_transforms_show():
+    assert CacheConfig().label() == "K2b-C32_V2b-T32_sim"
+    assert CacheConfig(rope="pre", mode="packed").label() == "K2b-C32_V2b-T32_pac_R0_preRoPE"
+    assert CacheConfig(rope="pre") == CacheConfig(key_transform="rope_pre") == CacheConfig(key_transform=["rope_pre"])
+    both = CacheConfig(rope="pre", key_transform="hadamard", value_transform="hadamard:16")
+    assert both.key_transform == ("rope_pre", "hadamard") and both.label().endswith("_preRoPE_Khad_Vhad16")
+    assert CacheConfig(key_transform="none").label() == CacheConfig().label()
+
+
+def test_rope_pre_is_rope_pre_however_spelled(data_dir):
+    a = compose(["rope=pre", f"data_dir={data_dir}"])
+    b = compose(["key_transform=rope_pre", f"data_dir={data_dir}"])
+    assert validate(a).cache == validate(b).cache and config_hash(a) == config_hash(b)
+    assert validate(compose(["transform=hadamard", f"data_dir={data_dir}"])).cache.value_transform == ("hadamard",)
+
+
+BAD = [
+    (["transform=rope_pre"], r"transform=rope_pre: rope_pre transforms keys only.*key_transform=rope_pre"),
+    (["value_transform=rope_pre"], r"value_transform=rope_pre: rope_pre transforms keys only"),
+    (["key_transform=[hadamard,rope_pre]"], r"rope_pre must come first.*\[rope_pre,hadamard\]"),
+    (["key_transform=rotate"], r"key_transform='rotate' is not a registered transform; allowed: none, hadamard"),
+    (["key_transform=[hadamard,hadamard:16]"], r"key_transform lists hadamard twice"),
+    (["key_transform=hadamard:48"], r"key_transform=hadamard:48 has a block that is not a power of two"),
+    (["key_transform=hadamard", "model.head_dim=96"], r"key_transform=hadamard: .*power-of-two head dim.*hadamard:32"),
+    (["value_transform=hadamard:64", "model.head_dim=96"], r"block 64 does not divide head_dim=96.*hadamard:32"),
+    (["transform=hadamard", "key_transform=none"], r"transform=hadamard and key_transform=none disagree"),
+    (["key_transform=3"], r"key_transform=3: give transform names"),
+    (["key_transform=rope_pre:2"], r"rope_pre:2 gives an argument, but rope_pre takes none"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_transform_settings_fail_in_one_line_before_load(overrides, message, data_dir):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(compose([*overrides, f"data_dir={data_dir}"]))
+    assert "\n" not in str(e.value)
+
+
+# --- runs -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["mode=packed", "residual_length=32", "backend=torch"], ["mode=simulated", "probe=true"]],
+    ids=["packed", "simulated+probe"],
+)
+def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):
+    from kvq_lab.runner import run
+
+    probes = ["probes.n_prompts=1", "probes.max_tokens=32", "probes.figures=false"]
+    m = run(compose(tiny_args(tiny_model_dir, tmp_path, data_dir) + ["key_transform=hadamard", *extra, *probes]))
+    assert math.isfinite(m["ppl/ppl"])
+    if "probe=true" in extra:
+        assert m["probe/key/rel_fro/mean"] > 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "_Khad" in run_dir.name
