@@ -13,43 +13,23 @@ eval_tokens` consecutive tokens is scored as a generation would see it:
    first is predicted by the prefill's last logits).
 
 All windows run as one batch (same length, no padding; quantization groups never cross batch rows, so this
-equals running them one by one). Source text: the CoQA stories (local file under the data dir, else the hub's
-`EleutherAI/coqa` validation split) joined by blank lines, cut into consecutive non-overlapping windows.
+equals running them one by one). Source text (`task.source`, kvq_lab/eval/text.py): the CoQA stories, any UTF-8
+file, or a hub dataset, cut into consecutive non-overlapping windows.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvq_lab.cache import NonFiniteError
-from kvq_lab.eval.tasks.coqa.utils import HUB_ID as COQA_HUB
-from kvq_lab.eval.tasks.coqa.utils import LOCAL_FILE as COQA_FILE
+from kvq_lab.eval.text import check_source, source_text
 from kvq_lab.models import cache_kwarg
 
-SOURCES = ("coqa_stories",)
 PREFILL = ("exact", "cache")
-
-
-def source_text(source: str, data_dir: Path | None) -> str:
-    """The text windows are cut from. `coqa_stories`: the CoQA stories in file order, joined by blank lines."""
-    if source != "coqa_stories":
-        raise ValueError(f"task.source={source!r}; choose one of: {', '.join(SOURCES)}")
-    data_dir = data_dir or (Path(os.environ["KVQ_DATA_DIR"]) if os.environ.get("KVQ_DATA_DIR") else None)
-    if data_dir is not None:
-        rows = [json.loads(line) for line in (data_dir / COQA_FILE).read_text().splitlines() if line.strip()]
-        stories = [r["story"] for r in rows]
-    else:
-        import datasets
-
-        stories = list(dict.fromkeys(datasets.load_dataset(COQA_HUB, split="validation")["story"]))
-    return "\n\n".join(s.strip() for s in stories)
 
 
 def make_windows(ids: list[int], context: int, eval_tokens: int, windows: int) -> torch.Tensor:
@@ -115,8 +95,7 @@ def check_options(task_cfg) -> None:
             raise ValueError(f"task.{key}={v!r} must be an integer >= 1")
     if task_cfg.get("prefill") not in PREFILL:
         raise ValueError(f"task.prefill={task_cfg.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
-    if task_cfg.get("source") not in SOURCES:
-        raise ValueError(f"task.source={task_cfg.get('source')!r}; choose one of: {', '.join(SOURCES)}")
+    check_source(task_cfg)
 
 
 def run_ppl(ctx) -> dict[str, float]:
@@ -124,7 +103,7 @@ def run_ppl(ctx) -> dict[str, float]:
     t = ctx.cfg.task
     context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
     windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
-    text = source_text(str(t.source), ctx.data_dir)
+    text = source_text(t, ctx.data_dir)
     ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
     batch = make_windows(ids, context, eval_tokens, windows).to(ctx.model.device)
     cache = ctx.make_cache() or DynamicCache()

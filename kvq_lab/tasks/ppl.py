@@ -1,28 +1,39 @@
-"""`task=ppl`: decode-mode perplexity through the cache (kvq_lab/eval/ppl.py); options in conf/task/ppl.yaml."""
+"""`task=ppl`: decode-mode perplexity through the cache (kvq_lab/eval/ppl.py); options in conf/task/ppl.yaml.
+
+The text comes from `task.source` (kvq_lab/eval/text.py): the CoQA stories, any UTF-8 file (`task.path`), or a hub
+dataset (`task.dataset`, `task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
+text too short for the windows are caught here, before the model loads.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
 from kvq_lab.errors import ConfigError
+from kvq_lab.eval.text import OPTIONS as SOURCE_OPTIONS
+from kvq_lab.eval.text import source_inputs
 
 from . import Task, TaskContext, register_task
 from .harness import COQA_DATA, COQA_HUB
 
 
 class PplTask(Task):
+    """Teacher-forced decode through the cache over windows of a text; `ppl/ppl` of the scored tokens."""
+
     name = "ppl"
-    options = ("name", "source", "context_tokens", "eval_tokens", "windows", "prefill")
-    data = (COQA_DATA,)
+    options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prefill")
+    data = (COQA_DATA,)  # read only when task.source=coqa_stories
     hub = (COQA_HUB,)
     limit_unit = "windows"
 
     def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
         from kvq_lab.eval.ppl import check_options
 
-        super().check(cfg, data_dir)
+        coqa = cfg.task.get("source") == "coqa_stories"
+        super().check(cfg, data_dir if coqa else None)  # options; the CoQA file only when it is the source
         try:
             check_options(cfg.task)
         except ValueError as e:
@@ -33,9 +44,13 @@ class PplTask(Task):
         need = windows * (t.context_tokens + t.eval_tokens)
         if n is not None and n < need:
             raise ConfigError(
-                f"task=ppl: the source text has {n} tokens; {windows} windows of {t.context_tokens}+{t.eval_tokens} "
-                f"need {need}: lower task.windows, task.context_tokens or task.eval_tokens"
+                f"task={self.name}: the source text ({_describe(t)}) has {n} tokens; {windows} windows of "
+                f"{t.context_tokens}+{t.eval_tokens} need {need}: lower task.windows, task.context_tokens or "
+                "task.eval_tokens, or give a longer text"
             )
+
+    def inputs(self, cfg: DictConfig, data_dir: Path | None) -> dict[str, Any]:
+        return source_inputs(cfg.task, data_dir)
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         from kvq_lab.eval.ppl import run_ppl
@@ -43,25 +58,45 @@ class PplTask(Task):
         return run_ppl(ctx)
 
 
+def _describe(t) -> str:
+    if t.source == "file":
+        return f"task.path={t.path}"
+    if t.source == "hf":
+        return f"{t.dataset}/{t.get('dataset_config')}:{t.split}"
+    return "CoQA stories"
+
+
 def _source_tokens(cfg: DictConfig, data_dir: Path | None) -> int | None:
-    """Tokens in the source text with the run's tokenizer, when both are local (a saved model folder): checks a
-    too-short text before the model loads. None when that would need a download or a GGUF conversion."""
+    """Tokens in the source text with the run's tokenizer, when the model is a local folder: checks a too-short text
+    before the model loads. None when the tokenizer would need a download or a GGUF conversion, or the CoQA stories
+    would come from the hub. A hub source (`hf`) is loaded here: the run would load it next anyway."""
     from kvq_lab.models import resolve
 
     try:
         src = Path(resolve(str(cfg.model.get("path") or cfg.model.get("name"))))
     except FileNotFoundError:
         return None
-    if data_dir is None or not (src / "config.json").is_file():
+    t = cfg.task
+    if not (src / "config.json").is_file() or (t.source == "coqa_stories" and data_dir is None):
         return None
-    key = (str(src), str(data_dir), str(cfg.task.source))
+    key = (str(src), str(data_dir), repr(sorted((k, str(t.get(k))) for k in SOURCE_OPTIONS)))
     if key not in _TOKENS:
         from transformers import AutoTokenizer
 
-        from kvq_lab.eval.ppl import source_text
+        from kvq_lab.eval.text import source_text
 
+        try:
+            text = source_text(t, data_dir)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # a hub source that cannot be loaded (no network, unknown dataset or config)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConfigError(
+                f"task.source=hf: cannot load {_describe(t)} ({type(e).__name__}: {first}); check task.dataset, "
+                "task.dataset_config and task.split, or use task.source=file with a local copy"
+            ) from None
         tok = AutoTokenizer.from_pretrained(src)
-        _TOKENS[key] = len(tok(source_text(str(cfg.task.source), data_dir), add_special_tokens=False)["input_ids"])
+        _TOKENS[key] = len(tok(text, add_special_tokens=False)["input_ids"])
     return _TOKENS[key]
 
 
