@@ -7,8 +7,12 @@ import this module. A new task is one module plus one line here. Kept torch-free
 from __future__ import annotations
 
 from kvq_lab.tasks import TASKS
+from kvq_lab.tasks import behavior as _behavior  # noqa: F401  (behavior)
+from kvq_lab.tasks import fidelity as _fidelity  # noqa: F401  (fidelity)
 from kvq_lab.tasks import harness as _harness  # noqa: F401  (coqa, coqa_turns, gsm8k, truthfulqa_gen)
+from kvq_lab.tasks import lm_eval_any as _lm_eval_any  # noqa: F401  (lm_eval)
 from kvq_lab.tasks import ppl as _ppl  # noqa: F401  (ppl)
 from kvq_lab.tasks import probe as _probe  # noqa: F401  (probe)
+from kvq_lab.tasks import retrieval as _retrieval  # noqa: F401  (retrieval)
 
 __all__ = ["TASKS"]

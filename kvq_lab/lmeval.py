@@ -1,0 +1,121 @@
+"""The `kvq` model for lm-eval's own command line: QuantCacheLM built from `--model_args`.
+
+    kvq-lm-eval run --model kvq --model_args pretrained=smollm2-135m,key_axis=channel,value_axis=token,bits=2 \
+        --tasks coqa_turns --include_path kvq_lab/eval/tasks --limit 20
+    python -m kvq_lab.lmeval run --model kvq ...            (the same)
+
+`pretrained` takes what `model.path` takes (registry names such as `smollm2-135m`, hub ids, folders, GGUF files);
+every cache knob of run.py is a model arg (key_axis, value_axis, bits, key_bits, value_bits, group_size,
+residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by the same function
+(`kvq_lab.config.cache_config`), so a bad value gets the same one-line error before the model loads.
+
+Registration: importing this module registers `kvq` in lm-eval's model registry. lm-eval 0.4.x discovers no
+out-of-tree models (no entry-point group; EleutherAI/lm-evaluation-harness#1457, #3282), so plain `lm_eval --model
+kvq` cannot find it; `kvq-lm-eval` (pyproject's console script) and `python -m kvq_lab.lmeval` are lm-eval's CLI
+with this module imported first. Programmatic use: `import kvq_lab.lmeval` then `lm_eval.simple_evaluate(
+model="kvq", model_args=...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from omegaconf import OmegaConf
+
+from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config, check_device, check_model
+from kvq_lab.errors import ConfigError
+from kvq_lab.eval.lm import QuantCacheLM
+
+log = logging.getLogger("kvq_lab")
+MODEL_ARGS = ("pretrained", "dtype", "device", "revision", "batch_size", "max_batch_size", "max_length")
+
+
+def _device(device: str | None) -> str:
+    """lm-eval's CLI passes `cuda:0` when --device is not given; like its HF model, fall back to the CPU (with a
+    warning) when CUDA is absent. None: CUDA when present, else the CPU."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        log.warning("kvq: device=%s but this machine has no CUDA device; running on the CPU", device)
+        return "cpu"
+    return str(device)
+
+
+def cache_from_args(args: dict):
+    """model_args (cache knobs only) -> CacheConfig, with run.py's defaults for the knobs not given."""
+    knobs = {k: getattr(RunSchema, k) for k in CACHE_KNOBS}
+    knobs.update(args)
+    return cache_config(OmegaConf.create(knobs))
+
+
+class KvqLM(QuantCacheLM):
+    """lm-eval model `kvq`: loads `pretrained` as run.py does and hands every generate call a fresh cache built
+    from the cache knobs among the model args."""
+
+    def __init__(
+        self,
+        pretrained: str = "smollm2-135m",
+        dtype: str = "float32",
+        device: str | None = None,
+        revision: str | None = None,
+        batch_size: int | str = 1,
+        max_batch_size: int | None = None,
+        max_length: int | None = None,
+        **knobs,
+    ):
+        from kvq_lab.cache import QuantizedKVCache
+        from kvq_lab.models import load_model
+
+        unknown = sorted(set(knobs) - set(CACHE_KNOBS))
+        if unknown:
+            raise ConfigError(
+                f"model arg {unknown[0]!r} is not a kvq setting; model args: {', '.join(MODEL_ARGS + CACHE_KNOBS)}"
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
+        cache = cache_from_args(knobs)
+        device = _device(device)
+        cfg = OmegaConf.create(
+            {"model": {"path": str(pretrained), "dtype": dtype, "revision": revision}, "device": device}
+        )
+        name = check_model(cfg)
+        check_device(cfg, cache)
+        model, tok = load_model(name, dtype=dtype, device=device)
+        QuantizedKVCache.for_model(model, cache)  # fail now (e.g. group size vs head dim), not at the first generate
+        super().__init__(
+            model, tok, lambda: QuantizedKVCache.for_model(model, cache), batch_size=batch_size, max_length=max_length
+        )
+        self.cache_config = cache
+
+    def get_model_info(self) -> dict:
+        from dataclasses import asdict
+
+        return {
+            **super().get_model_info(),
+            "kvq_cache": self.cache_config.label(),
+            "kvq_cache_config": asdict(self.cache_config),
+        }
+
+
+def register() -> None:
+    """Register `kvq` in lm-eval's model registry (idempotent)."""
+    import lm_eval.models  # noqa: F401  (lm-eval's own placeholders first: an empty registry is what triggers them)
+    from lm_eval.api.registry import model_registry
+
+    model_registry.register("kvq", target=KvqLM)
+
+
+register()
+
+
+def main() -> None:
+    """lm-eval's command line with `kvq` registered (console script `kvq-lm-eval`)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
