@@ -8,7 +8,9 @@ exact tokens back as the model made them. Then hadamard's own arithmetic and dir
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -135,6 +137,8 @@ def test_transform_alone_leaves_attention_unchanged(tiny_model, mode, spelling, 
 
 
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernel.build_error() is None else [])
+if importlib.util.find_spec("triton") and os.environ.get("TRITON_INTERPRET") == "1":  # conftest sets it without CUDA
+    BACKENDS.append(pytest.param("triton", marks=pytest.mark.slow))  # the interpreter: ~10 s a case
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
