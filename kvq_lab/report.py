@@ -251,13 +251,36 @@ def tasks_of(rows: list[Row]) -> list[str]:
     return list(dict.fromkeys(t for row in rows for t in row.cells))
 
 
+def row_bits(row: Row) -> float | None:
+    """Mean stored bits per element of a row's key and value quantizers (codes + per-group parameters): the
+    run's `cache/bits` metric, or for older records the same arithmetic from the row's fields."""
+    for c in row.cells.values():
+        if "cache/bits" in c.metrics:
+            return c.metrics["cache/bits"]
+    from kvq_lab.quant.formats import bits_per_element
+    from kvq_lab.quant.reference import code_format
+    from kvq_lab.quant.spec import QuantSpec
+
+    f, out = row.fields, []
+    for t in ("key", "value"):
+        if f.get(f"{t}_bits", 16) >= 16:
+            out.append(16.0)
+            continue
+        try:
+            spec = QuantSpec(f[f"{t}_bits"], f["group_size"], f[f"{t}_axis"], format=f.get(f"{t}_format") or "int")
+            out.append(bits_per_element(code_format(spec), spec.group_size, spec.axis))
+        except (ValueError, KeyError):
+            return None
+    return sum(out) / 2
+
+
 def markdown_table(rows: list[Row], paper_model: str = DEFAULT_MODEL) -> str:
-    """The table: row name, cache label, our metrics (± standard error over documents), the paper's column for
-    each benchmark we measured, error probes when any row has them."""
+    """The table: row name, cache label, stored bits per element, our metrics (± standard error over documents),
+    the paper's column for each benchmark we measured, error probes when any row has them."""
     tasks = tasks_of(rows)
     benches = [b for b in BENCHMARKS if any(TASK_TO_BENCHMARK.get(t) == b for t in tasks)]
     probe_cols = [(k, t) for k, t in PROBE_METRICS if any(k in row.probes for row in rows)]
-    head = ["setting", "cache"]
+    head = ["setting", "cache", "bits/elem"]
     for t in tasks:
         head += [title for _, title, _ in TASK_METRICS.get(t, [])] or [t]
         head.append(f"{t} n")
@@ -265,7 +288,7 @@ def markdown_table(rows: list[Row], paper_model: str = DEFAULT_MODEL) -> str:
     head += [title for _, title in probe_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [row.name, f"`{row.cache}`"]
+        cells = [row.name, f"`{row.cache}`", _fmt(row_bits(row))]
         for t in tasks:
             specs = TASK_METRICS.get(t, []) or [(None, t, None)]
             c = row.cells.get(t)

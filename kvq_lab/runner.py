@@ -58,6 +58,20 @@ def cache_factory(plan: RunPlan, model):
     return lambda: QuantizedKVCache.for_model(model, plan.cache)
 
 
+def cache_bits(cache) -> dict[str, float]:
+    """Stored bits per element of each quantizer, codes plus per-group parameters (int2 G32: 3.0; fp8 G32: 8.5;
+    16 = kept as is), whole groups, exact windows and sinks not counted: the format's own cost, as a table
+    compares formats at equal bytes. Packed runs measure their real bytes with `cache.nbytes()`."""
+    from kvq_lab.quant.formats import bits_per_element
+    from kvq_lab.quant.reference import code_format
+
+    def one(spec):
+        return 16.0 if spec.is_identity else bits_per_element(code_format(spec), spec.group_size, spec.axis)
+
+    k, v = one(cache.key), one(cache.value)
+    return {"cache/bits_key": k, "cache/bits_value": v, "cache/bits": (k + v) / 2}
+
+
 def run_name(cfg: DictConfig, plan: RunPlan) -> str:
     if cfg.get("run_name"):
         return str(cfg.run_name)
@@ -188,6 +202,7 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
                 from kvq_lab.tasks.probe import run_probes_for_task
 
                 metrics.update(run_probes_for_task(ctx))
+        metrics.update(cache_bits(plan.cache))
     except RunInterrupted as e:
         progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
         record.update(
