@@ -94,11 +94,19 @@ static inline void deq_run(float *restrict out, const uint8_t *restrict row, int
 static inline void deq_run_table(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
                                  unsigned shift, unsigned mask, const float *restrict table, const float *restrict s,
                                  const float *restrict z, int64_t ds, int64_t n) {
-    if (nb == 1 && z)
-        for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[ds * d] + z[ds * d];
-    else if (nb == 1)
-        for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[ds * d];
-    else
+    if (nb == 1 && ds) {  /* per-channel parameters (z: per channel too) */
+        if (z)
+            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d] + z[d];
+        else
+            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d];
+    } else if (nb == 1) {  /* one group: one scale (and zero point) for all n */
+        const float s0 = s[0];
+        if (z) {
+            const float z0 = z[0];
+            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0 + z0;
+        } else
+            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0;
+    } else
         for (int64_t d = 0; d < n; d++) {
             uint32_t word = 0;
             for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
