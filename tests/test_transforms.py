@@ -95,14 +95,18 @@ def test_positions_are_required_exactly_where_declared(spelling):
 
 @pytest.mark.parametrize("spelling", FOLDABLE)
 def test_foldable_transforms_keep_scores_and_fold_the_output(spelling):
-    """What `foldable` promises kvq_sdpa: (q M)·(k M) = q·k, and M^-1 (A (v M)) = A v, to fp32 precision."""
+    """What `foldable` promises kvq_sdpa, to fp32 precision: the query map is the keys' map (fold_query(q) ==
+    forward(q)), so fold_query(q)·forward(k) = q·k; and fold_output(A forward(v)) = A v."""
     t = get_transform(spelling)
     q, k, v = outliers((1, 2, 4, 64), 2), outliers((1, 2, 30, 64), 3), outliers((1, 2, 30, 64), 4)
+    torch.testing.assert_close(t.fold_query(q), t.forward(q), rtol=1e-5, atol=1e-5 * q.abs().max())
     s = q @ k.transpose(-1, -2)
-    torch.testing.assert_close(t.forward(q) @ t.forward(k).transpose(-1, -2), s, rtol=1e-5, atol=1e-5 * s.abs().max())
+    folded = t.fold_query(q) @ t.forward(k).transpose(-1, -2)
+    torch.testing.assert_close(folded, s, rtol=1e-5, atol=1e-5 * s.abs().max())
     a = torch.softmax(s / 100, -1)
     o = a @ v
-    torch.testing.assert_close(t.inverse(a @ t.forward(v)), o, rtol=1e-5, atol=1e-5 * o.abs().max())
+    torch.testing.assert_close(t.fold_output(a @ t.forward(v)), o, rtol=1e-5, atol=1e-5 * o.abs().max())
+    assert (t.fold_output(a @ v) - o).abs().max() > 1e-2 * o.abs().max()  # the output map does something
 
 
 # --- through the caches ---------------------------------------------------------------------------------------

@@ -64,10 +64,10 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     # a pipeline that does not fold comes undone in the view (dequantized history): only the PyTorch path reads it
     fused = layer.backend.decode_attention if fold_k and fold_v else decode_attention_torch
     if kp is not None and fold_k:
-        query = kp.forward(query)  # keys are stored as k M: q M · k M = q · k
+        query = kp.fold_query(query)  # keys are stored as k M: q M · k M = q · k
     out = fused(layer.decode_view(), query, attention_mask, scaling)  # [B, 1, Hq, D]
     if vp is not None and fold_v:
-        out = vp.inverse(out)  # values are stored as v M: the output is (A v) M
+        out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
 
 

@@ -120,7 +120,7 @@ class PackedLayer(QuantizedLayerBase):
         # what the streams store: the tokens as the quantizers see them (the transforms applied)
         tk = key_states if self.k_pipe is None else self.k_pipe.forward(key_states, pos)
         tv = value_states if self.v_pipe is None else self.v_pipe.forward(value_states, pos)
-        if not (self.k_stream.quantized or self.v_stream.quantized):  # 16 bits: exactly DynamicCache
+        if not (self.k_stream.quantized or self.v_stream.quantized):  # 16 bits: DynamicCache (bitwise, untransformed)
             self.k_stream.step(tk, self.N, self.pads, None)
             self.v_stream.step(tv, self.N, self.pads, None)
             self.N += n
@@ -199,7 +199,8 @@ class PackedLayer(QuantizedLayerBase):
         if pipe.foldable:
             # attention runs in the pipeline's basis (kvq_sdpa maps the query and the output): history and window
             # are stored in it, the exact sinks are mapped into it for this step (a few tokens)
-            return stream.view(N, pipe.forward(sink[:, :, : min(self.cfg.sink_tokens, N)]), self.pads, None)
+            s = min(self.cfg.sink_tokens, N)
+            return stream.view(N, pipe.forward(sink[:, :, :s]) if s else sink, self.pads, None)
         # undone for the PyTorch path: the history as it is dequantized (the stream calls back), then the window
         sv = stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
         win = sv.window[:, :, sv.window.shape[2] - sv.w :]

@@ -125,6 +125,17 @@ class Transform(ABC):
     def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
         """Undo `forward`: inverse(forward(x)) == x up to fp32 rounding. [B, H, T, D] in x's dtype."""
 
+    def fold_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Foldable transforms: the query [..., D] mapped as the stored keys are (q M), in q's dtype. `forward` by
+        default; a transform may compute the same map another way where that is faster (it runs once per layer and
+        decode step), equal to `forward` up to fp32 rounding."""
+        return self.forward(q)
+
+    def fold_output(self, o: torch.Tensor) -> torch.Tensor:
+        """Foldable transforms: an attention output over stored values [..., D] mapped back ((A v M) M^-1 = A v), in
+        o's dtype. `inverse` by default; the same freedom as `fold_query`."""
+        return self.inverse(o)
+
 
 def register_transform(name: str):
     """Class decorator: make `name` (the spelling in the run config) resolve to the decorated `Transform`."""
@@ -223,6 +234,18 @@ class Pipeline:
         for t in reversed(self.transforms):
             x = t.inverse(x, pos)
         return x
+
+    def fold_query(self, q: torch.Tensor) -> torch.Tensor:
+        """A foldable pipeline's query map (every transform's `fold_query`, in order)."""
+        for t in self.transforms:
+            q = t.fold_query(q)
+        return q
+
+    def fold_output(self, o: torch.Tensor) -> torch.Tensor:
+        """A foldable pipeline's output map (every transform's `fold_output`, in reverse)."""
+        for t in reversed(self.transforms):
+            o = t.fold_output(o)
+        return o
 
 
 def build_pipeline(spellings: tuple[str, ...], quantized: bool = True) -> Pipeline | None:

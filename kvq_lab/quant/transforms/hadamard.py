@@ -10,7 +10,10 @@ the query too) and A V (rotate the output back): attention can fold it (`foldabl
 
 Arithmetic: the fast Walsh-Hadamard transform, log2(n) butterfly stages (a, b) -> (a + b, a - b) in fp32, then one
 multiplication by n^-1/2. Elementwise, so each output depends on its own token only and comes out bit for bit the
-same whatever the batch, head or token count (no matmul blocking): simulated and packed modes agree exactly.
+same whatever the batch, head or token count (no matmul blocking): simulated and packed modes agree exactly, and a
+row of a padded batch stores what it stores alone. The fold (the query and the attention output, once per layer and
+decode step, never stored) is one matmul with the fp32 matrix H_n/sqrt(n) instead: the same map to fp32 rounding,
+without log2(n) stages of per-op overhead on a one-token tensor.
 
 Spelling: `hadamard` rotates the whole head dim (a power of two: 64, 128); `hadamard:<n>` rotates blocks of n
 channels (a power of two dividing the head dim, e.g. `hadamard:32` for head_dim 96).
@@ -19,6 +22,7 @@ channels (a power of two dividing the head dim, e.g. `hadamard:32` for head_dim 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from kvq_lab.quant.spec import QuantConfigError
 from kvq_lab.quant.transforms import Transform, register_transform
@@ -43,6 +47,17 @@ def fwht(x, n: int):
         y = torch.stack((a + b, a - b), 3).view(y.shape[0], y.shape[1], n)
         h *= 2
     return y.view(shape)
+
+
+@cache
+def matrix(n: int, device: str = "cpu"):
+    """H_n / sqrt(n), fp32 [n, n] on `device` (Sylvester's construction; built once per size and device)."""
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h * n**-0.5).to(device)
 
 
 @register_transform("hadamard")
@@ -86,11 +101,23 @@ class Hadamard(Transform):
                 f"hadamard:{p}"
             )
 
-    def forward(self, x, pos=None):
-        D = x.shape[-1]
+    def _n(self, D: int) -> int:
         n = self.block or D
         if D % n or not _is_pow2(n):
             raise ValueError(f"{self.spelling} cannot rotate a head dim of {D} (blocks of a power of two dividing it)")
+        return n
+
+    def forward(self, x, pos=None):
+        n = self._n(x.shape[-1])
         return (fwht(x.float(), n) * n**-0.5).to(x.dtype)
 
     inverse = forward  # H_n / sqrt(n) is symmetric and orthonormal: its own inverse
+
+    def fold_query(self, q):
+        """q [..., D] -> q M by one matmul (see the module docstring); never used on stored tokens."""
+        D = q.shape[-1]
+        n = self._n(D)
+        blocks = q.float().reshape(*q.shape[:-1], D // n, n)
+        return (blocks @ matrix(n, str(q.device))).reshape(q.shape).to(q.dtype)
+
+    fold_output = fold_query  # M is its own inverse
