@@ -109,7 +109,7 @@ def _code(cfg, tensor: str) -> tuple[str, int]:
     bits = _bits(cfg, bname)
     if fmt == DEFAULT_FORMAT:  # int: every width in BITS, no registry (validation stays torch-free)
         return fmt, DEFAULT_BITS if bits is None else bits
-    from kvq_lab.quant.formats import all as _formats  # noqa: F401  (registers the built-in formats)
+    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import default_bits, get_format
 
     try:

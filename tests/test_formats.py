@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kvq_lab.quant.formats as formats
-import kvq_lab.quant.formats.all  # noqa: F401  (registers every format)
+import kvq_lab.quant.formats.builtin  # noqa: F401  (registers every format)
 from kvq_lab.quant import reference
 from kvq_lab.quant.formats import (
     FORMATS,
@@ -91,7 +91,7 @@ def test_registry_imports_no_plugin_and_no_torch():
         "try:\n    f.get_format('int', 2)\nexcept f.QuantConfigError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "import kvq_lab.quant.formats.all" in out
+    assert "import kvq_lab.quant.formats.builtin" in out
 
 
 def test_register_format_adds_a_name_and_refuses_a_taken_one(monkeypatch):

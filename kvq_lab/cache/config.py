@@ -19,7 +19,7 @@ def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "f
     default config stays free of torch; other formats import the registry and its plugins (torch) here."""
     if spec.is_identity or (spec.format == "int" and spec.codebook is None):
         return
-    from kvq_lab.quant.formats import all as _formats  # noqa: F401  (registers the built-in formats)
+    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import get_format
 
     options = {} if spec.codebook is None else {"codebook": spec.codebook}

@@ -9,8 +9,9 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     nbytes()                     bytes held
     quantized                    whether the stream stores codes (False: the exact 16-bit stream)
 
-`rotate(deq, abs_pos)` re-rotates dequantized pre-RoPE keys [B, H, n, D] at absolute positions [B, n] (keys with
-rope=pre; None otherwise). Sinks are the layer's; streams hold the tokens after them.
+`rotate(x, abs_pos)` undoes the layer's transforms that cannot be folded into attention (`rope_pre`: re-rotates
+pre-RoPE keys) on stored tokens [B, H, n, D] at absolute positions [B, n]; None when there are none. Sinks are the
+layer's; streams hold the tokens after them.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class _QuantizedStream(ABC):
         position and whether it is quantized history: ([B, N], [B, N] bool)."""
 
     def history(self, q: int, pads: list[int], rotate: Rotate) -> torch.Tensor:
-        """fp32 [B, H, q, D]: storage positions [0, q) dequantized (and re-rotated with `rotate`)."""
+        """fp32 [B, H, q, D]: storage positions [0, q) dequantized, `rotate` applied (unfoldable transforms undone)."""
         deq = self.store.dequantize(q)
         if rotate is not None and q:
             deq = rotate(deq, self.slot_positions(q, pads, deq.device))

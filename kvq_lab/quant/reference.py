@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvq_lab.quant.formats import CodeFormat, get_format
-from kvq_lab.quant.formats import all as _plugins  # noqa: F401  (registers the built-in formats)
+from kvq_lab.quant.formats import builtin as _plugins  # noqa: F401  (registers the built-in formats)
 
 from .rounding import PARAM_DTYPE, fp16_round_down, fp16_round_up
 from .spec import QuantSpec

@@ -13,14 +13,14 @@ Groups are formed elsewhere (`kvq_lab.quant.reference._grouped`); a format only 
     codes  uint8 [..., n_groups, G], every code < 2^bits (elements outside `valid` get code 0)
     scale  fp16 [..., n_groups];  zero: fp16 [..., n_groups], or None when the format stores no zero point
 
-Registered formats (import `kvq_lab.quant.formats.all` to register them all):
+Registered formats (import `kvq_lab.quant.formats.builtin` to register them all):
     int               asymmetric uniform integer, today's arithmetic (`kvq_lab.quant.reference`), bits 1-4, 8
     fp8_e4m3/e5m2     8-bit float codes times a per-group absmax scale, no zero point
     lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
 
 Adding a format
 ---------------
-One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `formats/all.py`:
+One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `formats/builtin.py`:
 
     @register_format("myfmt")
     @dataclass(frozen=True)
@@ -42,7 +42,7 @@ kernel. Kernels declare the formats they read with `add_kernel_support` (the C a
 above for any format: `"*"`); a format that a backend cannot read says so in `unsupported_backends`.
 
 This module imports neither torch nor its plugins: plugins register themselves when imported, and
-`formats/all.py` is the one place that imports them.
+`formats/builtin.py` is the one place that imports them.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ def check_bits(name: str, bits, bits_name: str = "bits", format_name: str = "for
 def _check_name(name: str, format_name: str = "format") -> type[CodeFormat]:
     if name not in FORMATS:
         if not FORMATS:
-            raise QuantConfigError(f"{format_name}={name!r}: no format is registered; import kvq_lab.quant.formats.all")
+            raise QuantConfigError(
+                f"{format_name}={name!r}: no format is registered; import kvq_lab.quant.formats.builtin"
+            )
         raise QuantConfigError(
             f"{format_name}={name!r} is not a registered code format; allowed: {', '.join(sorted(FORMATS))}"
         )
