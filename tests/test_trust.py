@@ -247,7 +247,7 @@ def _bad_inputs(tmp: Path, data_dir: Path) -> list[tuple[list[str], str]]:
         (["model=hub", "model.path=not/a/hub/id"], "neither an existing local path"),
         (["limit=5000"], "limit=5000 but task=coqa_turns has 297 documents"),
         (["task=coqa", "limit=21"], "has 20 documents"),
-        (["task=ppl", "task.windows=50"], "source text has"),
+        (["task=ppl", "task.windows=50"], "has 7282 tokens; 50 windows of 512+512 need 51200"),
         ([f"data_dir={empty.parent}"], "is empty"),
         ([f"data_dir={corrupt.parent}"], "line 2 is not valid JSON"),
         (["+unknown_knob=1"], "unknown_knob is not a kvq_lab setting"),
