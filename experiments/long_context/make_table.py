@@ -19,10 +19,19 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def main() -> None:
-    rows: dict[str, dict[int, dict]] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a cell wins
+    newest: dict[tuple[str, int, int], dict] = {}
+    for r in load_records(HERE):  # oldest first: the newest record of a (cache, length, seed) wins
         if r.get("status") == "ok":
-            rows.setdefault(r["cache"], {})[int(r["config"]["task"]["context_tokens"])] = r
+            t = r["config"]["task"]
+            newest[(r["cache"], int(t["context_tokens"]), int(t["seed"]))] = r
+    # pooled over generator seeds: hits and samples per (cache, length)
+    rows: dict[str, dict[int, list[int]]] = {}
+    for (label, n, _), r in newest.items():
+        cell = rows.setdefault(label, {}).setdefault(n, [0, 0])
+        k = int(r["metrics"]["retrieval/n"])
+        cell[0] += round(r["metrics"]["retrieval/acc"] * k / 100)
+        cell[1] += k
+    seeds = sorted({s for _, _, s in newest})
     lengths = sorted({n for cells in rows.values() for n in cells})
     lines = [
         "| cache | " + " | ".join(f"{n} tok" for n in lengths) + " |",
@@ -31,15 +40,14 @@ def main() -> None:
     for label, cells in rows.items():
         out = []
         for n in lengths:
-            r = cells.get(n)
-            if r is None:
+            if n not in cells:
                 out.append("-")
                 continue
-            acc, k = r["metrics"]["retrieval/acc"], r["metrics"]["retrieval/n"]
-            lo, hi = wilson(acc / 100, k)
-            out.append(f"{round(acc * k / 100)}/{k} [{100 * lo:.0f}, {100 * hi:.0f}]")
+            hits, k = cells[n]
+            lo, hi = wilson(hits / k, k)
+            out.append(f"{hits}/{k} [{100 * lo:.0f}, {100 * hi:.0f}]")
         lines.append(f"| `{label}` | " + " | ".join(out) + " |")
-    table = "\n".join(lines) + "\n"
+    table = "\n".join(lines) + f"\n\nseeds pooled: {seeds}; [..] = 95% Wilson interval, %\n"
     (HERE / "table.md").write_text(table)
     print(table)
 
@@ -49,11 +57,13 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, cells in rows.items():
+    for i, (label, cells) in enumerate(rows.items()):
         xs = sorted(cells)
-        ax.plot(xs, [cells[x]["metrics"]["retrieval/acc"] for x in xs], marker="o", label=label)
+        acc = [100 * cells[x][0] / cells[x][1] for x in xs]
+        ax.plot([x * (1 + 0.02 * (i - 1.5)) for x in xs], acc, marker="o", label=label)  # offsets: no overlap
     ax.set(xscale="log", xlabel="context tokens", ylabel="needle accuracy (%)", ylim=(-5, 105))
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(HERE / "long_context.png", dpi=110)
