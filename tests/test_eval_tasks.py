@@ -57,7 +57,7 @@ def test_retrieval_generator_is_deterministic_per_seed(kind, tok):
     for s in a:
         n = len(tok(s.prompt, add_special_tokens=False)["input_ids"])
         assert n == s.n_tokens and 400 - 12 - 40 <= n <= 400 - 12  # fills the budget, never exceeds it
-        assert s.prompt.count(s.answer) == (2 if kind == "passkey" else 1)  # "The pass key is K. ... K is the pass key."
+        assert s.prompt.count(s.answer) == (2 if kind == "passkey" else 1)  # passkey: "The pass key is K. ... K is ..."
         assert s.prompt.startswith("<|im_start|>system")
         assert not s.prompt.rstrip().endswith(s.answer)  # the answer is in the haystack, not in the prefix
 
@@ -107,6 +107,13 @@ def test_retrieval_runs_end_to_end_at_16_bits(tiny_model_dir, data_dir, tmp_path
     assert [s["depth"] for s in samples] == [0.0, 1.0] and all(len(s["target"]) == 7 for s in samples)
     m2 = run(compose(args + ["task.prefill=cache", "limit=1"]))  # prefill through the cache: same 16-bit answers
     assert m2["retrieval/n"] == 1
+
+
+@pytest.mark.slow  # the real SmolLM2 (~20 s): the prompt format is one the 16-bit model solves at short lengths
+def test_smollm2_at_16_bits_finds_the_needle_at_512_tokens(data_dir, tmp_path):
+    args = ["task=retrieval", "task.context_tokens=512", "task.samples=3", "quant=fp16", "logger=none"]
+    m = run(compose([*args, f"results_dir={tmp_path}", f"data_dir={data_dir}", "resume_dirty=true"]))
+    assert m["retrieval/acc"] == 100 and m["retrieval/n"] == 3
 
 
 @pytest.mark.parametrize(
