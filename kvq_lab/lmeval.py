@@ -22,7 +22,8 @@ import logging
 
 from omegaconf import OmegaConf
 
-from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config, check_device, check_model
+from kvq_lab.checks import check_device, check_model
+from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config
 from kvq_lab.errors import ConfigError
 from kvq_lab.eval.lm import QuantCacheLM
 
