@@ -21,7 +21,7 @@ from typing import Any
 from kvq_lab.results import RECORD
 
 INDEX = "index.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 _COLUMNS = ("run_key", "status", "experiment", "task", "cache")
 
 
@@ -44,7 +44,7 @@ def _open(results_dir: Path) -> sqlite3.Connection:
         con = sqlite3.connect(":memory:")
     con.execute(
         "CREATE TABLE IF NOT EXISTS records (path TEXT PRIMARY KEY, size INTEGER, mtime_ns INTEGER, run_key TEXT, "
-        "status TEXT, experiment TEXT, task TEXT, cache TEXT, record TEXT)"
+        "status TEXT, experiment TEXT, task TEXT, cache TEXT, record TEXT, fields TEXT)"
     )
     con.execute("CREATE INDEX IF NOT EXISTS by_key ON records (run_key)")
     con.execute("CREATE INDEX IF NOT EXISTS by_experiment ON records (experiment)")
@@ -87,12 +87,28 @@ def refresh(con: sqlite3.Connection, results_dir: Path) -> int:
         size, mtime = on_disk[p]
         rows.append(
             (p, size, mtime, rec.get("run_key"), rec.get("status"), exp, task.get("name"), rec.get("cache"),
-             json.dumps(rec))
+             json.dumps(rec), _strict_json(rec))
         )  # fmt: skip
     with con:
         con.executemany("DELETE FROM records WHERE path = ?", [(p,) for p in gone])
-        con.executemany("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        con.executemany("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
     return len(rows)
+
+
+def _strict_json(rec: dict) -> str:
+    """The record as strict JSON for SQLite's json functions: NaN and infinities (a probe's kivi_ratio can be
+    inf) become null. `record` keeps Python's JSON, so queries return the record exactly as written."""
+
+    def clean(x):
+        if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(rec))
 
 
 def _sql_where(where: dict[str, Any] | None) -> tuple[str, list]:
@@ -101,7 +117,7 @@ def _sql_where(where: dict[str, Any] | None) -> tuple[str, list]:
         if field in _COLUMNS:
             expr = field
         else:
-            expr = "json_extract(record, ?)"
+            expr = "json_extract(fields, ?)"
             args.append("$." + field)
         if value is None:
             clauses.append(f"{expr} IS NULL")

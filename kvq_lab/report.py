@@ -202,21 +202,26 @@ def build_rows(
                     limit=last.get("config", {}).get("limit"),
                 )
         row.paper = paper_values(row.fields, paper_model)
-    # probes: any successful record with probe metrics, same cache and model (newest wins)
+    # probes: a successful record with probe metrics, same cache and model. A record of this experiment wins (its
+    # rows were probed alike), then the one over the most prompts (as a task's fullest run does), then the newest.
     pool = probe_records if probe_records is not None else records
     for key, row in rows.items():
         model = _model({"config": row.config})
+        best = ((-1, -1.0), None)
         for r in pool:
             if r.get("status") == "ok" and _row_key(r) == key and _model(r) == model:
                 got = {k: v for k, v in r.get("metrics", {}).items() if k.startswith("probe/")}
-                if got:
-                    row.probes = got
+                rank = (int(_experiment(r) == experiment), float(got.get("probe/n_prompts", 0)))
+                if got and rank >= best[0]:
+                    best = (rank, got)
+        if best[1]:
+            row.probes = best[1]
     return sorted(rows.values(), key=_sort_key)
 
 
 def probe_folders(results_dir: str | Path) -> list[Path]:
     """Where probe records for a table are looked for: the table's own folder, `results/` and every saved study
-    (`experiments/<name>/`: error_geometry's probe runs serve every axis table), relative to the working dir."""
+    (`experiments/<name>/`: error_geometry's probe runs serve every axis table)."""
     dirs = [
         Path(results_dir),
         Path("results"),

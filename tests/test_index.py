@@ -28,9 +28,10 @@ def _cfg(ka="channel", kb=2, task="ppl", probe=False):
 def test_index_equals_the_records_and_follows_changes(tmp_path):
     _write(tmp_path, "20261130-000001_a", status="ok", run_key="k1", config=_cfg(), metrics={"ppl/ppl": 20.0})
     _write(tmp_path, "20261130-000002_b", status="failed", run_key="k2", config=_cfg("token", 3), experiment="e")
-    _write(tmp_path, "20261130-000003_c", status="ok", run_key="k3", config=_cfg("token", 2, "coqa", True))
+    _write(tmp_path, "20261130-000003_c", status="ok", run_key="k3", config=_cfg("token", 2, "coqa", True),
+           metrics={"probe/key/kivi_ratio/mean": float("inf"), "x": float("nan")})  # fmt: skip
     (tmp_path / "runs" / "20261130-000004_empty").mkdir()  # a folder without a record is not a run
-    assert index.query(tmp_path) == load_records(tmp_path)  # built from scratch
+    assert json.dumps(index.query(tmp_path)) == json.dumps(load_records(tmp_path))  # built from scratch (NaN, inf too)
     assert (tmp_path / index.INDEX).exists()
 
     # selection by any field: top-level columns, dotted config paths, lists, booleans
