@@ -74,7 +74,7 @@ def test_every_config_composes(data_dir):
 def run_cli(*args, env=None):
     e = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
     t0 = time.time()
-    p = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=e, timeout=120)
+    p = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=e, timeout=600)
     return p, time.time() - t0
 
 

@@ -195,7 +195,7 @@ def test_signal_marks_the_record_interrupted_and_stops_the_sweep(tiny_model_dir,
     proc = _start(args)
     _wait_for_progress(tmp_path, proc)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == code, err[-2000:]
     lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "decode ppl" not in ln]
     assert lines[-1].startswith(f"interrupted: {sig.name} after ") and "decode steps" in lines[-1]
