@@ -10,6 +10,25 @@ TASK_DIR = Path(__file__).parent / "tasks"
 log = logging.getLogger(__name__)
 
 
+def seeded_evaluate(lm, tasks, task_manager, limit=None, num_fewshot=None, log_samples: bool = False) -> dict:
+    """`lm_eval.simple_evaluate` with every seed fixed and no bootstrap: the one call every lm-eval path here makes."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        limit=limit,
+        task_manager=task_manager,
+        num_fewshot=num_fewshot,
+        log_samples=log_samples,
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
+
+
 def run_lm_eval(
     task: str,
     model,
@@ -21,26 +40,13 @@ def run_lm_eval(
     log_samples: bool = False,
 ) -> tuple[dict[str, float], list[dict]]:
     """-> (flat metrics `{task}/{metric}` plus `{task}/n`, per-sample records (empty unless log_samples))."""
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .lm import QuantCacheLM
 
     lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size)
     tm = TaskManager(include_path=str(TASK_DIR))
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[task],
-        limit=limit,
-        task_manager=tm,
-        num_fewshot=num_fewshot,
-        log_samples=log_samples,
-        bootstrap_iters=0,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
+    out = seeded_evaluate(lm, [task], tm, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)
     res = out["results"][task]
     metrics: dict[str, float] = {}
     for key, value in res.items():

@@ -84,24 +84,11 @@ def run_tasks(
     include_path: list[str] | tuple[str, ...] = (),
 ) -> tuple[dict[str, float], list[dict]]:
     """-> (flat metrics, per-sample records with the response). Every generate call gets `make_cache()`."""
-    import lm_eval
-
+    from .harness import seeded_evaluate
     from .lm import QuantCacheLM
 
     lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size, max_length=None)
-    out = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(names),
-        limit=limit,
-        task_manager=task_manager(include_path),
-        num_fewshot=num_fewshot,
-        log_samples=True,
-        bootstrap_iters=0,
-        random_seed=0,
-        numpy_random_seed=0,
-        torch_random_seed=0,
-        fewshot_random_seed=0,
-    )
+    out = seeded_evaluate(lm, names, task_manager(include_path), limit=limit, num_fewshot=num_fewshot, log_samples=True)
     metrics = flatten(out["results"], out.get("n-samples", {}))
     metrics["lm_eval/generate_calls"] = lm.generate_calls
     metrics["lm_eval/loglikelihood_requests"] = lm.loglikelihood_requests
