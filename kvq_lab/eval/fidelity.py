@@ -18,33 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-from kvq_lab.eval.ppl import _check_logits, make_windows, prefill
+from kvq_lab.eval.ppl import make_windows, teacher_forced_logits
 from kvq_lab.eval.text import source_text
-from kvq_lab.models import cache_kwarg
 
 CURVE_BINS = 16
 _REFERENCE: dict[tuple, torch.Tensor] = {}  # one entry: (model, ids, prefill) -> log-probs [B, N, V]
-
-
-def teacher_forced_logits(model, cache, windows: torch.Tensor, context: int, exact_prefill: bool) -> Iterator:
-    """windows [B, T0 + N] -> yields (step, logits [B, V] predicting token T0 + step), step = 0..N-1, each
-    computed through `cache` after the true tokens before it were fed (as `decode_nll` does)."""
-    total = windows.shape[1]
-    kw = cache_kwarg()
-    logits = prefill(model, cache, windows[:, :context], exact_prefill)
-    _check_logits(logits, 0, "prefill")
-    for step, t in enumerate(range(context, total)):
-        yield step, logits
-        if t + 1 == total:
-            break
-        logits = model(input_ids=windows[:, t, None], **{kw: cache}, use_cache=True).logits[:, -1].float()
-        _check_logits(logits, step + 1, f"after feeding token {t} of each window")
 
 
 def reference_logprobs(model, windows: torch.Tensor, context: int, exact_prefill: bool, progress=None) -> torch.Tensor:

@@ -20,6 +20,7 @@ file, or a hub dataset, cut into consecutive non-overlapping windows.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -43,7 +44,7 @@ def make_windows(ids: list[int], context: int, eval_tokens: int, windows: int) -
     return torch.tensor(ids[: n * windows]).view(windows, n)
 
 
-def _check_logits(logits: torch.Tensor, step: int, what: str) -> None:
+def check_logits(logits: torch.Tensor, step: int, what: str) -> None:
     if not torch.isfinite(logits).all():
         raise NonFiniteError(
             f"non-finite logits (NaN/inf) at decode step {step} ({what}); the cache check did not fire, so the "
@@ -64,26 +65,39 @@ def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     return logits
 
 
+def teacher_forced_logits(model, cache, windows: torch.Tensor, context: int, exact_prefill: bool) -> Iterator:
+    """windows [B, T0 + N] -> yields (step, logits [B, V] predicting token T0 + step), step = 0..N-1, each computed
+    through `cache` after the true tokens before it were fed. NaN/inf logits raise, naming the step."""
+    total = windows.shape[1]
+    kw = cache_kwarg()
+    logits = prefill(model, cache, windows[:, :context], exact_prefill)
+    check_logits(logits, 0, "prefill")
+    for step, t in enumerate(range(context, total)):
+        yield step, logits
+        if t + 1 == total:
+            break
+        logits = model(input_ids=windows[:, t, None], **{kw: cache}, use_cache=True).logits[:, -1].float()
+        check_logits(logits, step + 1, f"after feeding token {t} of each window")
+
+
 def decode_nll(
     model, cache, windows: torch.Tensor, context: int, exact_prefill: bool = True, progress=None
 ) -> torch.Tensor:
     """windows [B, T0 + N] token ids -> NLL [B, N] of tokens T0..T0+N-1, each predicted through the cache.
     `progress` (optional, with a `done` attribute) counts the scored tokens per window as they come."""
     B, total = windows.shape
-    logits = prefill(model, cache, windows[:, :context], exact_prefill)
-    _check_logits(logits, 0, "prefill")
     nll = []
-    steps = tqdm(range(context, total), desc=f"decode ppl ({B} windows)", mininterval=10, leave=False)
-    for step, t in enumerate(steps):
-        target = windows[:, t]
-        nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="none"))
+    steps = tqdm(
+        teacher_forced_logits(model, cache, windows, context, exact_prefill),
+        total=total - context,
+        desc=f"decode ppl ({B} windows)",
+        mininterval=10,
+        leave=False,
+    )
+    for step, logits in steps:
+        nll.append(torch.nn.functional.cross_entropy(logits, windows[:, context + step], reduction="none"))
         if progress is not None:
             progress.done = step + 1
-        if t + 1 == total:
-            break
-        out = model(input_ids=target[:, None], **{cache_kwarg(): cache}, use_cache=True)
-        logits = out.logits[:, -1].float()
-        _check_logits(logits, step + 1, f"after feeding token {t} of each window")
     return torch.stack(nll, dim=1)
 
 
