@@ -28,7 +28,7 @@ from kvq_lab.errors import ConfigError
 from kvq_lab.eval.lm import QuantCacheLM
 
 log = logging.getLogger("kvq_lab")
-MODEL_ARGS = ("pretrained", "dtype", "device", "revision", "batch_size", "max_batch_size", "max_length")
+MODEL_ARGS = ("pretrained", "dtype", "device", "revision", "batch_size", "max_batch_size", "max_length", "prefix_reuse")
 
 
 def _device(device: str | None) -> str:
@@ -64,6 +64,7 @@ class KvqLM(QuantCacheLM):
         batch_size: int | str = 1,
         max_batch_size: int | None = None,
         max_length: int | None = None,
+        prefix_reuse: bool = True,
         **knobs,
     ):
         from kvq_lab.cache import QuantizedKVCache
@@ -76,6 +77,8 @@ class KvqLM(QuantCacheLM):
             )
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
+        if not isinstance(prefix_reuse, bool):
+            raise ConfigError(f"prefix_reuse={prefix_reuse!r} must be true or false")
         cache = cache_from_args(knobs)
         device = _device(device)
         cfg = OmegaConf.create(
@@ -86,7 +89,12 @@ class KvqLM(QuantCacheLM):
         model, tok = load_model(name, dtype=dtype, device=device)
         QuantizedKVCache.for_model(model, cache)  # fail now (e.g. group size vs head dim), not at the first generate
         super().__init__(
-            model, tok, lambda: QuantizedKVCache.for_model(model, cache), batch_size=batch_size, max_length=max_length
+            model,
+            tok,
+            lambda: QuantizedKVCache.for_model(model, cache),
+            batch_size=batch_size,
+            max_length=max_length,
+            prefix_reuse=prefix_reuse,
         )
         self.cache_config = cache
 

@@ -90,6 +90,15 @@ class QuantizedLayerBase(DynamicLayer):
                     f"(cache {self.cfg.label()}); check the model dtype and the quantizer range"
                 )
 
+    def prefix_boundary(self, n: int) -> int:
+        """The largest m <= n such that what attention sees of a prompt's first m tokens, when this layer is given
+        them alone, is what it sees of them when given the whole prompt. Then a prefill in two pieces cut at m
+        computes what one prefill computes (every token's attention reads the same keys and values) and the layer
+        ends up the same: a cache filled with m tokens may be checkpointed and reused for longer prompts that share
+        them (`kvq_lab.eval.lm`). 0 (only the empty prefix) by default, for layers whose state depends on where a
+        prompt is cut (the packed cache quantizes its prefill once, in whole groups, and keeps a window exact)."""
+        return 0
+
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kvq_lab caches support greedy and sampling decoding, not beam search")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from . import packed, simulated  # noqa: F401  (importing a layer module registers its mode)
+from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
 from .rope import RopeHelper
@@ -32,7 +32,8 @@ class QuantizedKVCache(Cache):
         self.cfg = cfg
         self.padding = PaddingState()
         rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
-        layers = [LAYERS[cfg.mode](cfg, rope, self.padding) for _ in range(num_layers)]
+        # each layer's own config where calibration fitted one per layer (nuq codebooks, fitted transforms)
+        layers = [LAYERS[cfg.mode](cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
         for i, layer in enumerate(layers):
             layer.layer_idx = i
         super().__init__(layers=layers)
@@ -52,6 +53,12 @@ class QuantizedKVCache(Cache):
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Declare the prompt's padding ([B, T0], 1 = token) so pad positions never enter a group's min/max."""
         self.padding.prompt_mask = None if attention_mask is None else attention_mask.detach()
+
+    def prefix_boundary(self, n: int) -> int:
+        """Where the first n tokens of a prompt may be cut so that this cache, filled with the tokens before the cut
+        and then with the rest, holds what it holds after the whole prompt (`QuantizedLayerBase.prefix_boundary`);
+        0 where only the empty prefix qualifies."""
+        return min(layer.prefix_boundary(n) for layer in self.layers)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held by the cache: `stored` (as kept) and `fp16` (the same tokens as an fp16 cache)."""

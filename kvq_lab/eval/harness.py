@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
-TASK_DIR = Path(__file__).parent / "tasks"
 log = logging.getLogger(__name__)
 
 
@@ -38,15 +36,17 @@ def run_lm_eval(
     batch_size: int = 1,
     num_fewshot=None,
     log_samples: bool = False,
+    prefix_reuse: bool = True,
 ) -> tuple[dict[str, float], list[dict]]:
     """-> (flat metrics `{task}/{metric}` plus `{task}/n`, per-sample records (empty unless log_samples))."""
-    from lm_eval.tasks import TaskManager
-
     from .lm import QuantCacheLM
+    from .lm_tasks import task_manager
 
-    lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size)
-    tm = TaskManager(include_path=str(TASK_DIR))
+    lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size, prefix_reuse=prefix_reuse)
+    tm = task_manager(names=[task])
     out = seeded_evaluate(lm, [task], tm, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)
+    if lm.prefix_reuse:
+        log.info("prefix reuse: %d prompt tokens came from checkpoints instead of a prefill", lm.prefix_tokens)
     res = out["results"][task]
     metrics: dict[str, float] = {}
     for key, value in res.items():

@@ -52,6 +52,7 @@ class LmEvalTask(Task):
             batch_size=ctx.cfg.batch_size,
             num_fewshot=ctx.cfg.task.get("num_fewshot"),
             log_samples=True,
+            prefix_reuse=ctx.cfg.prefix_reuse,
         )
         ctx.artifacts["samples"] = [
             {

@@ -93,6 +93,7 @@ class LmEvalAnyTask(Task):
             batch_size=ctx.cfg.batch_size,
             num_fewshot=t.get("num_fewshot"),
             include_path=_paths(t.get("include_path")),
+            prefix_reuse=ctx.cfg.prefix_reuse,
         )
         ctx.artifacts["samples"] = samples
         return metrics

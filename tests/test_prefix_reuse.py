@@ -1,0 +1,132 @@
+"""Prefix reuse (`prefix_reuse=true`): where `prefix_boundary` allows a cut, attention sees the same keys and values
+for the tokens before it whether the cache got them alone or with the whole prompt, and the cache ends up the same;
+a cut inside a per-channel group would change what the earlier tokens saw. The lm-eval wrapper that reuses
+checkpoints generates what it generates without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.quant import QuantSpec
+
+
+def cfg_of(ka: str, va: str, sinks: int = 0, kg: int = 16, vg: int = 8, **kw) -> CacheConfig:
+    return CacheConfig(key=QuantSpec(2, kg, ka), value=QuantSpec(3, vg, va), sink_tokens=sinks, **kw)
+
+
+def fill(model, cfg: CacheConfig, k, v, cuts: list[int]):
+    """Fill a fresh cache with k, v [1, H, T, D] in pieces cut at `cuts`, then one decode token; -> what every
+    update returned (the keys and values attention sees)."""
+    cache = QuantizedKVCache.for_model(model, cfg)
+    T = k.shape[2] - 1
+    out = []
+    for a, b in zip([0, *cuts, T], [*cuts, T, T + 1], strict=True):
+        if b > a:
+            pos = torch.arange(a, b)[None]
+            out.append(cache.update(k[:, :, a:b], v[:, :, a:b], 0, {"position_ids": pos}))
+    return out
+
+
+AXES = [("channel", "token"), ("token", "channel"), ("channel", "channel"), ("token", "token")]
+
+
+@pytest.mark.parametrize("ka,va", AXES)
+@pytest.mark.parametrize("sinks", [0, 5])
+@pytest.mark.parametrize("transform", [(), ("rope_pre", "hadamard")])
+def test_cut_at_the_boundary_changes_nothing(tiny_model, ka, va, sinks, transform):
+    cfg = cfg_of(ka, va, sinks, key_transform=transform)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 78, 64, generator=g), torch.randn(1, 2, 78, 64, generator=g)
+    probe = QuantizedKVCache.for_model(tiny_model, cfg)
+    cut = probe.prefix_boundary(60)
+    assert 0 < cut <= 60
+    step = 16 if ka == "channel" else 8 if va == "channel" else 1  # lcm of the token-grouped quantizers' G (16, 8)
+    assert cut == sinks + (60 - sinks) // step * step
+    whole = fill(tiny_model, cfg, k, v, [])
+    parts = fill(tiny_model, cfg, k, v, [cut])
+    # the tokens before the cut saw, when alone, what they see in the one-shot prefill
+    assert torch.equal(parts[0][0], whole[0][0][:, :, :cut]) and torch.equal(parts[0][1], whole[0][1][:, :, :cut])
+    # the end of the prefill and the decode step that follows see the same keys and values, bit for bit
+    for (K1, V1), (K2, V2) in zip(whole, parts[1:], strict=True):
+        assert torch.equal(K1, K2) and torch.equal(V1, V2)
+
+
+@pytest.mark.parametrize("ka,va", [("channel", "token"), ("token", "channel")])
+def test_cut_inside_a_token_group_changes_what_earlier_tokens_see(tiny_model, ka, va):
+    """The test above would pass for a boundary that ignores groups: a cut that splits a per-channel group shows
+    the tokens before it their group quantized without the tokens after it (zero-padded), unlike one prefill."""
+    cfg = cfg_of(ka, va)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 78, 64, generator=g), torch.randn(1, 2, 78, 64, generator=g)
+    cut = QuantizedKVCache.for_model(tiny_model, cfg).prefix_boundary(60) + 3
+    whole, parts = fill(tiny_model, cfg, k, v, []), fill(tiny_model, cfg, k, v, [cut])
+    same = [torch.equal(parts[0][i], whole[0][i][:, :, :cut]) for i in (0, 1)]
+    assert not all(same)
+
+
+def test_packed_cache_declares_no_cut(tiny_model):
+    cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed")
+    assert QuantizedKVCache.for_model(tiny_model, cfg).prefix_boundary(100) == 0
+
+
+def test_padded_simulated_cache_declares_no_cut(tiny_model):
+    cache = QuantizedKVCache.for_model(tiny_model, cfg_of("channel", "token"))
+    cache.set_padding(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    cache.update(torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64), 0)
+    assert cache.layers[0].prefix_boundary(3) == 0
+
+
+def _requests(tok):
+    """CoQA-shaped prompts: two stories, three turns each, every turn's prompt a prefix of the next one's."""
+    from lm_eval.api.instance import Instance
+
+    gen = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    out = []
+    for s, story in enumerate(["The cat sat on the mat. " * 12, "A boat sailed north past the old lighthouse. " * 9]):
+        text = story + "\n\n"
+        for t, (q, a) in enumerate([("Who sat?", "the cat"), ("Where?", "on the mat"), ("When?", "today")]):
+            text += f"Q: {q}\n\nA:"
+            out.append(Instance("generate_until", {}, (text, gen), idx=len(out), metadata=("t", s * 3 + t, 1)))
+            text += f" {a}\n\n"
+    return out[::-1]  # longest first, as lm-eval hands them over: the wrapper orders them itself
+
+
+@pytest.mark.parametrize("ka,va", [("channel", "token"), ("token", "token")])
+def test_lm_wrapper_generates_the_same_with_and_without_reuse(tiny_model_dir, ka, va):
+    from transformers import AutoTokenizer
+
+    from kvq_lab.eval.lm import QuantCacheLM
+    from kvq_lab.models import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = cfg_of(ka, va, kg=32, vg=32)
+    outs, served = [], []
+    for reuse in (False, True):
+        lm = QuantCacheLM(model, tok, lambda: QuantizedKVCache.for_model(model, cfg), prefix_reuse=reuse)
+        outs.append(lm.generate_until(_requests(tok), disable_tqdm=True))
+        served.append(lm.prefix_tokens)
+        assert lm.generate_calls == 6
+    assert outs[0] == outs[1]
+    assert served[0] == 0 and served[1] > 100  # 4 of the 6 prompts extend a checkpoint of their story
+
+
+def test_lm_wrapper_with_a_wrong_boundary_generates_differently(tiny_model_dir, monkeypatch):
+    """The test above could pass with reuse that never happens or never matters: cut anywhere (splitting
+    per-channel groups), the same prompts must generate something else."""
+    from transformers import AutoTokenizer
+
+    from kvq_lab.cache.simulated import SimulatedLayer
+    from kvq_lab.eval.lm import QuantCacheLM
+    from kvq_lab.models import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = cfg_of("channel", "token", kg=32, vg=32)
+    right = QuantCacheLM(model, tok, lambda: QuantizedKVCache.for_model(model, cfg), prefix_reuse=False)
+    expected = right.generate_until(_requests(tok), disable_tqdm=True)
+    monkeypatch.setattr(SimulatedLayer, "prefix_boundary", lambda self, n: n)
+    wrong = QuantCacheLM(model, tok, lambda: QuantizedKVCache.for_model(model, cfg), prefix_reuse=True)
+    assert wrong.generate_until(_requests(tok), disable_tqdm=True) != expected
