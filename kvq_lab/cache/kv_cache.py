@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
+from . import packed, simulated  # noqa: F401  (importing a layer module registers its mode)
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
 from .rope import RopeHelper
@@ -32,8 +32,7 @@ class QuantizedKVCache(Cache):
         self.cfg = cfg
         self.padding = PaddingState()
         rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
-        # each layer's own config where calibration fitted one per layer (nuq codebooks, fitted transforms)
-        layers = [LAYERS[cfg.mode](cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
+        layers = [LAYERS[cfg.mode](cfg, rope, self.padding) for _ in range(num_layers)]
         for i, layer in enumerate(layers):
             layer.layer_idx = i
         super().__init__(layers=layers)
