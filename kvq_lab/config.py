@@ -72,6 +72,7 @@ class RunSchema:
     task: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)  # probe settings (prompts, lengths), see conf/config.yaml
+    recompute: dict[str, Any] = field(default_factory=dict)  # mode=recompute settings (rank), see conf/config.yaml
 
 
 def register_schema() -> None:
@@ -185,7 +186,34 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
             backend=backend,
             key_transform=key_transform,
             value_transform=value_transform,
+            recompute_rank=_recompute_rank(cfg),
         )
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _recompute_rank(cfg: DictConfig) -> int | None:
+    """`recompute.rank` (mode=recompute: cache X's projection on r singular vectors; null: X itself)."""
+    r = cfg.get("recompute") or {}
+    _check_keys("recompute", r, ("rank",))
+    return r.get("rank")
+
+
+def check_recompute(cfg: DictConfig, cache: CacheConfig, model: str) -> None:
+    """mode=recompute before any weights load: the probes model K/V quantizers, not X; a local model's architecture
+    (built from its config.json on the meta device) has separable K/V projections and room for the rank. Other
+    sources (hub ids, GGUF files) are checked the same way when the cache is built, right after loading."""
+    if cfg.get("probe") or cfg.task.get("name") == "probe":
+        raise ConfigError("the probes measure K/V quantizers; mode=recompute quantizes X: use mode=packed or simulated")
+    from kvq_lab.models import resolve
+
+    path = Path(resolve(model)).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    from kvq_lab.cache.recompute import check_model_config
+
+    try:
+        check_model_config(str(path), cache.recompute_rank, cache.key)
     except QuantConfigError as e:
         raise ConfigError(str(e)) from None
 
@@ -232,6 +260,10 @@ CACHE_KNOBS = (
 )
 
 
+# CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
+CACHE_DEFAULTS = {"recompute_rank": None}
+
+
 def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
     """Hash of what determines a run's result: everything except where it is written and how it is logged,
     with the cache knobs replaced by the cache they describe."""
@@ -239,7 +271,9 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
     where = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
     for k in (*where, *CACHE_KNOBS):
         c.pop(k, None)
-    c["cache"] = asdict(cache if cache is not None else cache_config(cfg))
+    c.pop("recompute", None)  # in the cache config (recompute_rank)
+    cache = cache if cache is not None else cache_config(cfg)
+    c["cache"] = {k: v for k, v in asdict(cache).items() if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
     if not cfg.get("probe"):
         c.pop("probes", None)  # probe settings only matter when probes run
     return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -279,6 +313,8 @@ def validate(cfg: DictConfig) -> RunPlan:
     if task_name not in TASKS:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
     model = check_model(cfg)
+    if cache.mode == "recompute":
+        check_recompute(cfg, cache, model)
     head_dim = cfg.model.get("head_dim")
     if head_dim:  # known without loading the model: check group tiling now
         try:

@@ -5,8 +5,10 @@
 
 Caches: DynamicCache (fp), ours packed (2-bit, K per-channel, V per-token, G=32, R=128) with the default backend
 (`auto`: the C kernel on CPU, Triton on CUDA) and with the pure-PyTorch path (`backend=torch`), ours simulated
-(same quantizers, fake quant), and transformers' QuantizedCache with the quanto and hqq backends at the same bits,
-group size and residual length (their default axes, 0). Runs are interleaved (cache A, B, C, ..., then again)
+(same quantizers, fake quant), ours recompute (XQuant-like: the attention input X projected on `--recompute-rank`
+singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K and V rebuilt at every step), and
+transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
+default axes, 0). Runs are interleaved (cache A, B, C, ..., then again)
 so that load from other processes hits every cache alike; each figure is the median over repeats.
 
 Decode tokens/s: greedy steps after `--warmup` steps, each step one forward of one token, prefill excluded.
@@ -39,12 +41,14 @@ TEXT = (
 )
 
 
-def make_caches(model, bits: int, G: int, R: int) -> dict:
+def make_caches(model, bits: int, G: int, R: int, rank: int = 128) -> dict:
     """name -> factory of a fresh cache."""
     spec_k, spec_v = QuantSpec(bits, G, "channel"), QuantSpec(bits, G, "token")
     packed = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R)  # backend=auto, the default
     packed_torch = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="torch")
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
+    # one tensor (X's projection) under the key quantizer: the value spec must equal it
+    recompute = CacheConfig(key=spec_k, value=spec_k, mode="recompute", residual_length=R, recompute_rank=rank)
     hf = dict(nbits=bits, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)
     auto = get_backend("auto").name
     return {
@@ -52,6 +56,9 @@ def make_caches(model, bits: int, G: int, R: int) -> dict:
         f"ours packed {bits}b K-C V-T G{G} R{R} ({auto})": lambda: QuantizedKVCache.for_model(model, packed),
         f"ours packed {bits}b K-C V-T G{G} R{R} (torch)": lambda: QuantizedKVCache.for_model(model, packed_torch),
         f"ours simulated {bits}b K-C V-T G{G}": lambda: QuantizedKVCache.for_model(model, simulated),
+        f"ours recompute {bits}b X-C G{G} R{R} rank {rank} ({auto})": lambda: QuantizedKVCache.for_model(
+            model, recompute
+        ),
         f"HF quanto {bits}b G{G} R{R}": lambda: QuantizedCache("quanto", model.config, **hf),
         f"HF hqq {bits}b G{G} R{R}": lambda: QuantizedCache("hqq", model.config, **hf),
     }
@@ -84,7 +91,7 @@ def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(stored, fp16-equivalent) bytes of a cache."""
-    if isinstance(cache, QuantizedKVCache) and cache.cfg.mode == "packed":
+    if isinstance(cache, QuantizedKVCache) and cache.cfg.mode in ("packed", "recompute"):
         nb = cache.nbytes()
         return nb["stored"], nb["fp16"]
     # others: every tensor the layers hold (the simulated cache keeps exact K/V plus its dequantized copy)
@@ -146,6 +153,7 @@ def main():
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--residual", type=int, default=128)
+    ap.add_argument("--recompute-rank", type=int, default=128, help="rank of the recompute cache's projection of X")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of cache names to run")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
@@ -154,7 +162,7 @@ def main():
 
     model, tok = load_model(args.model, dtype=torch.float32)
     cache_bytes.text_cfg = model.config.get_text_config(decoder=True)
-    caches = make_caches(model, args.bits, args.group_size, args.residual)
+    caches = make_caches(model, args.bits, args.group_size, args.residual, args.recompute_rank)
     if args.only:
         caches = {k: v for k, v in caches.items() if k == "DynamicCache" or any(s in k for s in args.only)}
     text_ids = tok(TEXT * 400, return_tensors="pt").input_ids

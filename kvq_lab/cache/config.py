@@ -8,7 +8,7 @@ from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
 from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
-MODES = ("simulated", "packed")
+MODES = ("simulated", "packed", "recompute")
 ROPE = ("post", "pre")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -34,6 +34,9 @@ class CacheConfig:
         `simulated` -> KIVI Table 1 "fake quant": every cached token, prefill included, is quantized and
                        dequantized; attention sees the result. Partial per-channel groups are zero-padded.
         `packed`    -> the real cache: low-bit codes stored, KIVI streaming (exact prefill, fp residual window).
+        `recompute` -> XQuant-like: the attention block's normalized input X is cached instead of K and V, with the
+                       key quantizer and the packed cache's streaming; K and V are rematerialized at each decode
+                       step (`kvq_lab.cache.recompute`). The value quantizer must equal the key's (one tensor).
     residual_length: R, the full-precision window of the packed cache (a multiple of the key group size).
     sink_tokens: the first N tokens of every sequence are kept in full precision (both modes).
     rope: `post` quantizes keys after RoPE (KIVI); `pre` quantizes them before RoPE and re-rotates the
@@ -53,6 +56,7 @@ class CacheConfig:
     backend: str = "auto"
     key_transform: tuple[str, ...] = ()
     value_transform: tuple[str, ...] = ()
+    recompute_rank: int | None = None  # mode=recompute: cache X's projection on the top-r right singular vectors
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -80,14 +84,38 @@ class CacheConfig:
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
                 "cached token (KIVI Table 1); set residual_length=0 or mode=packed"
             )
-        if self.mode == "packed" and self.residual_length % self.key.group_size and not self.key.is_identity:
+        self._check_recompute()
+        if self.mode != "simulated" and self.residual_length % self.key.group_size and not self.key.is_identity:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} must be a multiple of the key group size "
                 f"{self.key.group_size} (keys are flushed in whole groups); e.g. residual_length="
                 f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
             )
 
+    def _check_recompute(self) -> None:
+        """mode=recompute: one tensor (X) under the key quantizer, no transforms; `recompute_rank` >= 1 or None."""
+        r = self.recompute_rank
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise QuantConfigError(f"recompute.rank={r!r} must be an integer >= 1, or null to cache X itself")
+        if self.mode != "recompute":
+            if r is not None:
+                raise QuantConfigError(f"recompute.rank={r} applies to mode=recompute only; set mode=recompute")
+            return
+        k, v = self.key, self.value
+        if (k.bits, k.format, k.codebook) != (v.bits, v.format, v.codebook):
+            raise QuantConfigError(
+                f"mode=recompute stores one tensor, X, with the key quantizer: the value quantizer ({v.short()}) must "
+                f"have the key's bits and format ({k.short()}); set bits= (and format=) for both"
+            )
+        if self.key_transform or self.value_transform:
+            raise QuantConfigError(
+                "mode=recompute quantizes X before the projections: transforms (rope=pre, key_transform, "
+                "value_transform) do not apply; unset them"
+            )
+
     def check_head_dim(self, head_dim: int) -> None:
+        if self.mode == "recompute":  # X's width (hidden size or rank) is checked against the model by the layer
+            return
         self.key.check_head_dim(head_dim, "group_size (keys)")
         self.value.check_head_dim(head_dim, "group_size (values)")
         check_head_dim(self.key_transform, head_dim, "key_transform")
@@ -103,11 +131,14 @@ class CacheConfig:
 
     def label(self) -> str:
         """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
-        extra = f"_R{self.residual_length}" if self.mode == "packed" else ""
+        extra = f"_R{self.residual_length}" if self.mode != "simulated" else ""
+        extra += f"_r{self.recompute_rank}" if self.recompute_rank is not None else ""
         extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
         extra += "_preRoPE" if self.rope == "pre" else ""
         for tag, spellings in (("K", self.key_transform), ("V", self.value_transform)):
             # rope_pre shows as `_preRoPE` above, the label rope=pre has always had
             shown = [get_transform(s).label for s in spellings if s != "rope_pre"]
             extra += f"_{tag}{'+'.join(shown)}" if shown else ""
+        if self.mode == "recompute":  # one tensor, X, under the key quantizer
+            return f"X{self.key.short()}_{self.mode[:3]}{extra}"
         return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"

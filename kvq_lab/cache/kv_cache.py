@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
-from . import packed, simulated  # noqa: F401  (importing a layer module registers its mode)
+from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
 from .rope import RopeHelper
@@ -48,6 +48,12 @@ class QuantizedKVCache(Cache):
         if prepare is not None:
             prepare(model, cache)
         return cache
+
+    @property
+    def needs_forward(self) -> bool:
+        """Filled only through the model's forward (mode=recompute caches the attention's input X, which `update`
+        alone does not carry): callers that hand K/V to `update` directly must run the model instead."""
+        return any(getattr(layer, "needs_forward", False) for layer in self.layers)
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Declare the prompt's padding ([B, T0], 1 = token) so pad positions never enter a group's min/max."""

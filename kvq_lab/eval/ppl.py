@@ -54,7 +54,7 @@ def check_logits(logits: torch.Tensor, step: int, what: str) -> None:
 
 def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     """Fill `cache` with the context [B, T0]; -> logits [B, V] of the last context position."""
-    if not exact:
+    if not exact or getattr(cache, "needs_forward", False):  # mode=recompute: its prefill attention is exact too
         out = model(input_ids=context, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
     dyn = DynamicCache()

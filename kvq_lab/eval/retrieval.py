@@ -238,7 +238,7 @@ def run_retrieval(ctx) -> dict[str, float]:
     for i, s in enumerate(items):
         ids = torch.tensor([ctx.tokenizer(s.prompt, add_special_tokens=False)["input_ids"]], device=ctx.model.device)
         cache = ctx.make_cache() or DynamicCache()
-        if str(t.prefill) == "exact":
+        if str(t.prefill) == "exact" and not getattr(cache, "needs_forward", False):  # recompute: exact via forward
             kv, logits = exact_prefill(ctx.model, ids)
             for layer, (k, v) in enumerate(kv):  # clones: the memo's tensors must outlive this cache unchanged
                 cache.update(k.clone(), v.clone(), layer, {})
