@@ -343,17 +343,58 @@ def test_kvq_is_an_lm_eval_model_built_from_model_args(tiny_model_dir):
         get_model("kvq").create_from_arg_string("pretrained=./no/such/model")
 
 
-@pytest.mark.slow  # lm-eval's CLI in a subprocess indexes every task YAML (~30 s)
-def test_lm_eval_cli_runs_the_kvq_model(tiny_model_dir, tmp_path):
+def _with_plugin(site: Path, code: str) -> list[str]:
+    """A Python command that sees this environment's packages but runs none of its .pth files (-S: whether or not
+    setup.sh installed the plugin here), then starts as if `site` were a site-packages folder (its .pth files run),
+    then runs `code`. The working directory (REPO) is on sys.path, for kvq_lab."""
+    from kvq_lab.lm_eval_plugin import site_dir
+
+    boot = f"import site, sys; sys.path.append({str(site_dir())!r}); site.addsitedir({str(site)!r})"
+    return [sys.executable, "-S", "-c", f"{boot}; {code}"]
+
+
+def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
+    """The .pth line that `python -m kvq_lab.lm_eval_plugin register` installs: Python starts without importing
+    kvq_lab.lmeval, lm-eval or torch, and lm-eval's registry then resolves `kvq` to KvqLM."""
     import subprocess
 
-    out = subprocess.run(
-        [sys.executable, "-m", "kvq_lab.lmeval", "run", "--model", "kvq", "--model_args",
-         f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2", "--tasks", "kvq_tiny_gen",
-         "--include_path", str(TEST_TASKS), "--output_path", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    from kvq_lab import lm_eval_plugin
+
+    pth = lm_eval_plugin.register(tmp_path)
+    assert pth.read_text() == lm_eval_plugin.PTH_LINE
+    code = (
+        "heavy = [m for m in ('kvq_lab.lmeval', 'lm_eval', 'torch') if m in sys.modules]; "
+        "from lm_eval.api.registry import get_model; print(heavy, get_model('kvq').__module__)"
+    )
+    out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "kvq_lab.lmeval"]
+    lm_eval_plugin.unregister(tmp_path)
+    assert not pth.exists()
+    out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "Attempted to load model 'kvq'" in out.stderr  # and without it, it is unknown
+
+
+@pytest.mark.slow  # lm-eval's CLI in a subprocess indexes every task YAML (~30 s)
+@pytest.mark.parametrize("command", ["kvq-lm-eval", "lm_eval"])
+def test_lm_eval_cli_runs_the_kvq_model(tiny_model_dir, tmp_path, command):
+    """`kvq-lm-eval run ...` (lm-eval's CLI with kvq_lab.lmeval imported first), and lm-eval's own `lm_eval run ...`
+    in a Python whose site-packages holds the plugin's .pth file (as scripts/setup.sh installs it)."""
+    import subprocess
+
+    from kvq_lab import lm_eval_plugin
+
+    args = ["run", "--model", "kvq", "--model_args",
+            f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2", "--tasks", "kvq_tiny_gen",
+            "--include_path", str(TEST_TASKS), "--output_path", str(tmp_path / "out")]  # fmt: skip
+    if command == "kvq-lm-eval":
+        cmd = [sys.executable, "-m", "kvq_lab.lmeval", *args]
+    else:
+        lm_eval_plugin.register(tmp_path)
+        cmd = _with_plugin(tmp_path, f"sys.argv = ['lm_eval', *{args!r}]; from lm_eval.__main__ import cli_evaluate; "
+                           "cli_evaluate()")  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "kvq_tiny_gen" in out.stdout and "exact_match" in out.stdout
-    (res,) = tmp_path.rglob("results_*.json")
+    (res,) = (tmp_path / "out").rglob("results_*.json")
     assert json.loads(res.read_text())["config"]["kvq_cache"] == "K2b-C32_V2b-T32_sim"

@@ -1,0 +1,93 @@
+"""`lm_eval --model kvq`: lm-eval's own command line finds kvq_lab's model with no wrapper.
+
+lm-eval 0.4.x discovers no out-of-tree models (no entry-point group), so its `lm_eval` command knows `kvq` only if
+`kvq` is in its model registry before the command looks the name up. `python -m kvq_lab.lm_eval_plugin register`
+(scripts/setup.sh runs it) writes a one-line `kvq_lab_lm_eval.pth` into the environment's site-packages. Python runs
+that line at startup: it puts a finder on `sys.meta_path` that waits for `lm_eval.models` to be imported (lm-eval does
+so when it first looks up a model) and then registers `kvq` as a lazy placeholder (`kvq_lab.lmeval:KvqLM`). Nothing of
+kvq_lab, lm-eval or torch is imported at startup; kvq_lab.lmeval (and torch) load only when `--model kvq` is used.
+`python -m kvq_lab.lm_eval_plugin unregister` removes the file.
+
+    lm_eval run --model kvq --model_args pretrained=smollm2-135m,key_axis=channel,value_axis=token,bits=2 \
+        --tasks coqa_turns --include_path kvq_lab/eval/tasks --limit 20
+
+Without the file, `kvq-lm-eval` (the same command with kvq_lab.lmeval imported first) still works.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import sysconfig
+from pathlib import Path
+
+PTH_NAME = "kvq_lab_lm_eval.pth"
+PTH_LINE = "import kvq_lab.lm_eval_plugin as _kvq; _kvq.install()\n"
+TARGET = "kvq_lab.lmeval:KvqLM"
+
+
+def _register_placeholder() -> None:
+    from lm_eval.api.registry import model_registry
+
+    if "kvq" not in model_registry.keys():
+        model_registry.register("kvq", target=TARGET)
+
+
+class _AfterLmEvalModels(importlib.abc.MetaPathFinder):
+    """Finds `lm_eval.models` as Python would, and registers `kvq` right after that module has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "lm_eval.models":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register_placeholder()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def install() -> None:
+    """Register `kvq` once lm-eval's model registry exists (now, if lm_eval.models is already imported)."""
+    if "lm_eval.models" in sys.modules:
+        _register_placeholder()
+    elif not any(isinstance(f, _AfterLmEvalModels) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterLmEvalModels())
+
+
+def site_dir() -> Path:
+    """The site-packages folder of the running Python (where pip installs packages)."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def register(where: Path | None = None) -> Path:
+    """Write the .pth file into `where` (default: this environment's site-packages) -> its path."""
+    path = Path(where or site_dir()) / PTH_NAME
+    path.write_text(PTH_LINE)
+    return path
+
+
+def unregister(where: Path | None = None) -> Path:
+    path = Path(where or site_dir()) / PTH_NAME
+    path.unlink(missing_ok=True)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in (["register"], ["unregister"]):
+        print("usage: python -m kvq_lab.lm_eval_plugin register|unregister", file=sys.stderr)
+        return 2
+    path = (register if args[0] == "register" else unregister)()
+    print(f"{args[0]}ed: {path}" if args[0] == "register" else f"removed: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
