@@ -54,6 +54,8 @@ class RunSchema:
     transform: Any = None  # sets key_transform and value_transform together when given
     key_transform: Any = None  # null or none: no transform; a name or a list of names
     value_transform: Any = None
+    key_outliers: Any = 0.0  # fraction kept exact, dense-and-sparse (kvq_lab.quant.outliers)
+    value_outliers: Any = 0.0
     mode: Any = "simulated"
     backend: Any = "auto"
     limit: Any = None
@@ -72,6 +74,7 @@ class RunSchema:
     task: dict[str, Any] = field(default_factory=dict)
     logger: dict[str, Any] = field(default_factory=dict)
     probes: dict[str, Any] = field(default_factory=dict)  # probe settings (prompts, lengths), see conf/config.yaml
+    calibration: dict[str, Any] = field(default_factory=dict)  # fitted methods' data (kvq_lab.calibration)
     recompute: dict[str, Any] = field(default_factory=dict)  # mode=recompute settings (rank), see conf/config.yaml
 
 
@@ -119,8 +122,8 @@ def _code(cfg, tensor: str) -> tuple[str, int]:
     bits = _bits(cfg, bname)
     if fmt == DEFAULT_FORMAT:  # int: every width in BITS, no registry (validation stays torch-free)
         return fmt, DEFAULT_BITS if bits is None else bits
+    from kvq_lab.quant.formats import FORMATS, check_bits, default_bits, get_format
     from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
-    from kvq_lab.quant.formats import default_bits, get_format
 
     try:
         if not isinstance(fmt, str):
@@ -131,6 +134,8 @@ def _code(cfg, tensor: str) -> tuple[str, int]:
             get_format(fmt, bits, bname, fname)
         else:  # the name must still exist; the identity has no format, so 16 bits is one cache however spelled
             default_bits(fmt, fname)
+            if not getattr(FORMATS[fmt], "allows_identity", True):  # nuq: 16 bits would fit nothing
+                check_bits(fmt, bits, bname, fname)
             return DEFAULT_FORMAT, bits
         return fmt, bits
     except QuantConfigError as e:
@@ -175,6 +180,7 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
     key_transform, value_transform = _transforms(cfg, "key"), _transforms(cfg, "value")
     mode = _choice(cfg, "mode", MODES)
     backend = _choice(cfg, "backend", BACKENDS)
+    outliers = {k: cfg.get(k, 0.0) for k in ("key_outliers", "value_outliers")}
     try:
         return CacheConfig(
             key=QuantSpec(key_bits, g, key_axis, key_format),
@@ -186,6 +192,7 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
             backend=backend,
             key_transform=key_transform,
             value_transform=value_transform,
+            **outliers,
             recompute_rank=_recompute_rank(cfg),
         )
     except QuantConfigError as e:
@@ -255,13 +262,16 @@ CACHE_KNOBS = (
     "transform",
     "key_transform",
     "value_transform",
+    "key_outliers",
+    "value_outliers",
     "mode",
     "backend",
 )
 
 
 # CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
-CACHE_DEFAULTS = {"recompute_rank": None}
+CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
+CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
 
 
 def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
@@ -273,7 +283,12 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
         c.pop(k, None)
     c.pop("recompute", None)  # in the cache config (recompute_rank)
     cache = cache if cache is not None else cache_config(cfg)
-    c["cache"] = {k: v for k, v in asdict(cache).items() if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
+    fields = asdict(cache.unfitted()).items()
+    c["cache"] = {k: v for k, v in fields if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
+    from kvq_lab.calibration import needs_calibration
+
+    if not needs_calibration(cache):
+        c.pop("calibration", None)  # calibration settings only matter to fitted methods
     if not cfg.get("probe"):
         c.pop("probes", None)  # probe settings only matter when probes run
     return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -289,6 +304,9 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
     cache = cache_config(cfg)
     check_device(cfg, cache)
+    from kvq_lab.calibration import check_calibration
+
+    check_calibration(cfg, cache)  # fitted methods: their calibration text exists and is not the evaluated one
     for key in ("limit",):
         _int(cfg, key, lo=1, allow_none=True)
     _int(cfg, "seed", lo=0)

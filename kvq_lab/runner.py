@@ -194,6 +194,10 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         seed_everything(cfg.seed)
         with timer("model_load_s"):
             model, tok = get_model(plan.model, cfg.model.get("dtype", "float32"), cfg.device)
+        with timer("calibration_s"):  # fitted methods (nuq, outliers, innerq, rotatekv): one config per layer
+            from kvq_lab.calibration import calibrate
+
+            plan.cache = calibrate(model, tok, plan.cache, cfg, plan.data_dir, plan.inputs.get("model"))
         make_cache = cache_factory(plan, model)
         ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit, cache_config=plan.cache)
         with timer("task_s"), torch.inference_mode():
@@ -203,6 +207,9 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
 
                 metrics.update(run_probes_for_task(ctx))
         metrics.update(cache_bits(plan.cache))
+        from kvq_lab.cache.accounting import stored_bits
+
+        metrics.update(stored_bits(plan.cache, cfg, model.config))  # all stored: codebooks, outliers, windows, sinks
     except RunInterrupted as e:
         progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
         record.update(

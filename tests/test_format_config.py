@@ -13,7 +13,7 @@ BAD = [
     (["format=fp8_e4m3", "key_bits=2"], r"^format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts: drop key_bits"),
     (["format=fp8_e5m2", "bits=4"], r"^format=fp8_e5m2 takes 8 bits; bits=4 conflicts: drop bits, .*format=int \| lut"),
     (["value_format=fp8_e4m3", "value_bits=3"], r"^value_format=fp8_e4m3 takes 8 bits; value_bits=3 conflicts"),
-    (["format=fp4"], r"^format='fp4' is not a registered code format; allowed: fp8_e4m3, fp8_e5m2, int, lut$"),
+    (["format=fp4"], r"^format='fp4' is not a registered code format; allowed: fp8_e4m3, fp8_e5m2, int, lut, nuq$"),
     (["key_format=nf4"], r"^key_format='nf4' is not a registered code format"),
     (["format=int", "value_format=lut"], r"^format=int and value_format=lut disagree; set one of them$"),
     (["format=3"], r"^format=3 must be a format name"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
@@ -43,8 +43,13 @@ class CacheConfig:
         dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
     key_transform, value_transform: transforms around each quantizer (`kvq_lab.quant.transforms`), canonical
         spellings in order, e.g. ("rope_pre", "hadamard"); a name, `none` or a list is accepted and normalised.
-    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut),
+    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq),
         checked here against its bits (fp8: 8 only).
+    key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
+        per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5); simulated mode.
+    key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
+    layers: one config per decoder layer, fitted by calibration (`kvq_lab.calibration`: nuq codebooks as lut specs,
+        fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
@@ -57,6 +62,10 @@ class CacheConfig:
     key_transform: tuple[str, ...] = ()
     value_transform: tuple[str, ...] = ()
     recompute_rank: int | None = None  # mode=recompute: cache X's projection on the top-r right singular vectors
+    key_outliers: float = 0.0
+    value_outliers: float = 0.0
+    key_outlier_thresholds: tuple[float, ...] | None = None
+    layers: tuple[CacheConfig, ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -79,6 +88,19 @@ class CacheConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise QuantConfigError(f"{name}={v!r} must be an integer >= 0")
+        for name in ("key_outliers", "value_outliers"):
+            f = getattr(self, name)
+            if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 0.5:
+                raise QuantConfigError(f"{name}={f!r} must be a fraction in [0, 0.5) (e.g. 0.01: 1% kept exact)")
+            object.__setattr__(self, name, float(f))
+        if self.mode == "packed" and (self.key_outliers or self.value_outliers):
+            raise QuantConfigError(
+                "key_outliers/value_outliers apply to mode=simulated (the packed cache stores no sparse outliers "
+                "yet); set mode=simulated or the outlier fractions to 0"
+            )
+        if self.key_outlier_thresholds is not None:
+            object.__setattr__(self, "key_outlier_thresholds", tuple(map(float, self.key_outlier_thresholds)))
+        object.__setattr__(self, "layers", tuple(self.layers))
         if self.mode == "simulated" and self.residual_length:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
@@ -129,6 +151,28 @@ class CacheConfig:
             build_pipeline(self.value_transform, not self.value.is_identity),
         )
 
+    def for_layer(self, i: int) -> CacheConfig:
+        """The config of decoder layer i: the fitted one where calibration made them (`layers`), else this one."""
+        if not self.layers:
+            return self
+        if not 0 <= i < len(self.layers):
+            raise ValueError(f"the calibrated cache config has {len(self.layers)} layers; layer {i} asked")
+        return self.layers[i]
+
+    def unfitted(self) -> CacheConfig:
+        """This config without its per-layer fits (what the run config describes)."""
+        return replace(self, layers=()) if self.layers else self
+
+    def outliers(self, tensor: str):
+        """The dense-and-sparse split of `tensor` ("key" / "value", `kvq_lab.quant.outliers.Outliers`), or None."""
+        from kvq_lab.quant.outliers import Outliers
+
+        if tensor == "key":
+            f = self.key_outliers
+            return Outliers(f, "channel", self.key_outlier_thresholds) if f and not self.key.is_identity else None
+        f = self.value_outliers
+        return Outliers(f, "token") if f and not self.value.is_identity else None
+
     def label(self) -> str:
         """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
         extra = f"_R{self.residual_length}" if self.mode != "simulated" else ""
@@ -139,6 +183,8 @@ class CacheConfig:
             # rope_pre shows as `_preRoPE` above, the label rope=pre has always had
             shown = [get_transform(s).label for s in spellings if s != "rope_pre"]
             extra += f"_{tag}{'+'.join(shown)}" if shown else ""
+        for tag, f in (("K", self.key_outliers), ("V", self.value_outliers)):
+            extra += f"_{tag}out{f:g}" if f else ""
         if self.mode == "recompute":  # one tensor, X, under the key quantizer
             return f"X{self.key.short()}_{self.mode[:3]}{extra}"
         return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"

@@ -32,7 +32,8 @@ class QuantizedKVCache(Cache):
         self.cfg = cfg
         self.padding = PaddingState()
         rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
-        layers = [LAYERS[cfg.mode](cfg, rope, self.padding) for _ in range(num_layers)]
+        # each layer's own config where calibration fitted one per layer (nuq codebooks, fitted transforms)
+        layers = [LAYERS[cfg.mode](cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
         for i, layer in enumerate(layers):
             layer.layer_idx = i
         super().__init__(layers=layers)

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from kvq_lab.quant.reference import fake_quant
+from kvq_lab.quant.outliers import Outliers, fake_quant
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.quant.transforms import Pipeline, Positions
 
@@ -43,9 +43,10 @@ class FakeQuantStream:
     Every row of the tensor shares the stream's group layout, so a left-padded batch gives each row its own
     stream over its real tokens (`SimulatedLayer`)."""
 
-    def __init__(self, spec: QuantSpec, sink_tokens: int):
+    def __init__(self, spec: QuantSpec, sink_tokens: int, outliers: Outliers | None = None):
         self.spec = spec
         self.sink = sink_tokens
+        self.outliers = outliers  # dense-and-sparse: these elements stay exact (kvq_lab.quant.outliers)
         self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done), never recomputed
         self.done = 0
 
@@ -55,7 +56,7 @@ class FakeQuantStream:
             return exact
         start = self.sink + self.done
         new = exact[..., start:, :]
-        deq = fake_quant(new, self.spec, partial="zero")
+        deq = fake_quant(new, self.spec, self.outliers, partial="zero")
         n = new.shape[-2]
         keep = n if self.spec.axis == "token" else n // self.spec.group_size * self.spec.group_size
         if keep:
@@ -80,12 +81,18 @@ def _around(
 
 
 def simulate(
-    x: torch.Tensor, spec: QuantSpec, pipe: Pipeline | None = None, pos: Positions | None = None, sink_tokens: int = 0
+    x: torch.Tensor,
+    spec: QuantSpec,
+    pipe: Pipeline | None = None,
+    pos: Positions | None = None,
+    sink_tokens: int = 0,
+    outliers: Outliers | None = None,
 ) -> torch.Tensor:
     """What simulated mode's attention sees of a whole tensor x [B, H, T, D] (no padding), in one call: the first
     `sink_tokens` tokens exact; the others transformed by `pipe` (at positions `pos`), fake-quantized with groups from
-    the first non-sink token (a partial per-channel group zero-padded, as KIVI's fake quant), transforms undone."""
-    stream = FakeQuantStream(spec, sink_tokens)
+    the first non-sink token (a partial per-channel group zero-padded, as KIVI's fake quant; `outliers` kept exact),
+    transforms undone."""
+    stream = FakeQuantStream(spec, sink_tokens, outliers)
     return stream.view(x) if pipe is None else _around(stream, x, pipe.forward(x, pos), pipe, pos)
 
 
@@ -120,7 +127,9 @@ class SimulatedLayer(QuantizedLayerBase):
 
     def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
         S = self.cfg.sink_tokens
-        return FakeQuantStream(self.cfg.key, S), FakeQuantStream(self.cfg.value, S)
+        return FakeQuantStream(self.cfg.key, S, self.cfg.outliers("key")), FakeQuantStream(
+            self.cfg.value, S, self.cfg.outliers("value")
+        )
 
     def update(self, key_states, value_states, *args, **kwargs):
         B = key_states.shape[0]

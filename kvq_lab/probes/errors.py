@@ -55,8 +55,8 @@ def quantize_kv(
             raise ValueError("rope=pre (key_transform=rope_pre) needs the model's rotary embedding (RopeHelper)")
         pos = rope.positions(key[None], torch.arange(key.shape[-2], device=key.device)[None])
     s = cache.sink_tokens
-    kq = simulate(key[None].float(), cache.key, kp, pos, s)[0]
-    return kq, simulate(value[None].float(), cache.value, vp, pos, s)[0]
+    kq = simulate(key[None].float(), cache.key, kp, pos, s, cache.outliers("key"))[0]
+    return kq, simulate(value[None].float(), cache.value, vp, pos, s, cache.outliers("value"))[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, scaling: float, groups: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def layer_errors(
     """
     g = cap.groups
     q, k, v = cap.query.float(), cap.key.float(), cap.value.float()
-    kq, vq = quantize_kv(k, v, cache, rope)
+    kq, vq = quantize_kv(k, v, cache.for_layer(cap.layer), rope)  # the layer's fitted quantizers (calibration)
     vx, vqx = v.repeat_interleave(g, dim=0), vq.repeat_interleave(g, dim=0)
 
     a = attention(q, k, cap.scaling, g)

@@ -17,8 +17,9 @@ Groups (`[B, H_kv, T, D]` tensors; axis names are mapped to dimensions here and 
 
 Partial groups (per-channel only, T not a multiple of G): `partial="zero"` pads the last group with
 zeros that take part in its statistics (min/max, absmax), as KIVI's fake quant does; `partial="exclude"` leaves
-them out. `valid` (bool, broadcastable to [B, H, T]) marks positions that may enter the statistics: padding tokens
-of a left-padded batch are excluded this way. Excluded positions get code 0.
+them out. `valid` (bool, broadcastable to [B, H, T], or [B, H, T, D] per element) marks positions that may enter the
+statistics: padding tokens of a left-padded batch are excluded this way, and outliers kept exact
+(`kvq_lab.quant.outliers`). Excluded elements get code 0.
 """
 
 from __future__ import annotations
@@ -117,16 +118,17 @@ def quantize(x: torch.Tensor, spec: QuantSpec, valid: torch.Tensor | None = None
     B, H, T, D = x.shape
     xf = x.float()
     pad = (-T) % spec.group_size if spec.axis == "channel" else 0
-    if valid is not None:
-        valid = valid.to(torch.bool).expand(B, H, T)
+    if valid is not None:  # per position [B, H, T], or per element [B, H, T, D] (outliers: kvq_lab.quant.outliers)
+        valid = valid.to(torch.bool)
+        valid = valid.expand(B, H, T, D) if valid.dim() == 4 else valid.expand(B, H, T).unsqueeze(-1).expand(B, H, T, D)
     if pad:
         xf = F.pad(xf, (0, 0, 0, pad))
         if partial == "exclude" or valid is not None:
-            base = torch.ones(B, H, T, dtype=torch.bool, device=x.device) if valid is None else valid
-            valid = F.pad(base, (0, pad), value=(partial == "zero"))
+            base = torch.ones(B, H, T, D, dtype=torch.bool, device=x.device) if valid is None else valid
+            valid = F.pad(base, (0, 0, 0, pad), value=(partial == "zero"))
 
     g = _grouped(xf, spec)
-    vg = None if valid is None else _grouped(valid.unsqueeze(-1).expand(B, H, T + pad, D), spec)
+    vg = None if valid is None else _grouped(valid, spec)
     codes, scale, zero = fmt.quantize_groups(g, vg)
     return QTensor(_ungrouped(codes, spec).contiguous(), scale, zero, spec, T, x.dtype)
 

@@ -12,8 +12,10 @@ model's RoPE rotated the keys with); the others ignore it. Arithmetic is fp32; r
 Folding into attention: a transform that is an orthogonal map M of the head dimension, the same at every position
 (`foldable`), need not be undone token by token. Keys: (q M)·(k M) = q·k, so the query is mapped with `forward` once
 per decode step and the stored keys are read as they are. Values: A (v M) = (A v) M, so the attention output is
-mapped back with `inverse` once per step. The packed cache does this around its fused kernels (which take plain
-tensors and know nothing of transforms); a pipeline that is not foldable is undone on the dequantized tensor.
+mapped back with `inverse` once per step (a foldable map that is not orthogonal, innerq's diagonal D, maps the
+query with D^-T instead: `fold_query`; (q D^-T)·(k D) = q·k). The packed cache does this around its fused kernels
+(which take plain tensors and know nothing of transforms); a pipeline that is not foldable is undone on the
+dequantized tensor.
 
 Transforms compose: a list is applied in order and undone in reverse (`Pipeline`). Tokens that are never quantized
 (sinks) are never transformed, except where attention runs in a foldable pipeline's basis (the packed cache maps its
@@ -25,6 +27,13 @@ transform's one option (`hadamard:64`: blocks of 64 channels). A list composes: 
 Registered transforms (`kvq_lab.quant.transforms.builtin` imports them):
     rope_pre   keys only: undo the model's RoPE so keys are quantized before rotation, re-rotate after (KVQuant)
     hadamard   a fixed orthonormal Hadamard rotation of the head dim, whole or in blocks (QuaRot)
+    innerq     keys only, fitted: per-(head, channel) power-of-two key scale, folded into the query (InnerQ)
+    rotatekv   fitted: per-head channel reorder by calibration magnitude + Hadamard blocks (RotateKV)
+
+Fitted transforms (`fitted = True`: innerq, rotatekv) take their parameters from data: the bare spelling (`innerq`)
+names the method and has none (using it raises a one-line error), `kvq_lab.calibration` fits one instance per layer
+(`fit`), registers it with `register_fitted`, and the layer's config names it `innerq@<digest>`, a spelling that
+`get_transform` resolves in this process. `example()` gives an instance fitted on synthetic keys, for tests.
 
 This module imports neither torch nor its plugins: plugins register themselves when imported, `transforms/builtin.py`
 is the one place that imports them, and config validation (torch-free) reads the registry. Plugin modules therefore
@@ -96,6 +105,13 @@ class Transform(ABC):
     foldable: ClassVar[bool] = False
     first: ClassVar[bool] = False
     skip_unquantized: ClassVar[bool] = False
+    fitted: ClassVar[bool] = False  # parameters fitted on calibration data (`fit`); the bare spelling has none
+
+    @classmethod
+    def example(cls) -> Transform:
+        """An instance usable on any [B, H, T, D] tensor, for the registry-driven tests: the bare spelling, or for a
+        fitted transform one fitted on synthetic keys with outlier channels (registered, so its spelling resolves)."""
+        return cls.parse(None)
 
     @classmethod
     def parse(cls, arg: str | None) -> Transform:
@@ -114,6 +130,11 @@ class Transform(ABC):
         """Short name in cache labels (`_Khad`)."""
         return self.name
 
+    def fit(self, x: torch.Tensor) -> Transform:
+        """Fitted transforms: an instance fitted on calibration data x [B, H, T, D] (as this transform would see it),
+        registered (`register_fitted`). Others need no data: themselves."""
+        return self
+
     def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (most transforms act on any head dim)
         """Raise a one-line QuantConfigError if the transform cannot act on heads of `head_dim` channels."""
 
@@ -126,9 +147,10 @@ class Transform(ABC):
         """Undo `forward`: inverse(forward(x)) == x up to fp32 rounding. [B, H, T, D] in x's dtype."""
 
     def fold_query(self, q: torch.Tensor) -> torch.Tensor:
-        """Foldable transforms: the query [..., D] mapped as the stored keys are (q M), in q's dtype. `forward` by
-        default; a transform may compute the same map another way where that is faster (it runs once per layer and
-        decode step), equal to `forward` up to fp32 rounding."""
+        """Foldable transforms: the query [..., D] mapped so that its product with stored keys is q·k (q M^-T, which
+        is q M for an orthogonal M), in q's dtype. `forward` by default (orthogonal maps); a transform may compute
+        the same map another way where that is faster (it runs once per layer and decode step), equal to it up to fp32
+        rounding."""
         return self.forward(q)
 
     def fold_output(self, o: torch.Tensor) -> torch.Tensor:
@@ -154,10 +176,17 @@ def register_transform(name: str):
     return decorate
 
 
+FITTED: dict[str, Transform] = {}  # `name@digest` -> a fitted instance (`register_fitted`), this process only
+
+
+def register_fitted(t: Transform) -> str:
+    """Make a fitted transform resolvable by its spelling (`innerq@1a2b3c4d5e6f`); returns the spelling."""
+    FITTED[t.spelling] = t
+    return t.spelling
+
+
 @cache
-def get_transform(spelling: str) -> Transform:
-    """The transform a spelling names (`hadamard`, `hadamard:64`, `rope_pre`), with one-line errors that start
-    with the spelling (callers prefix the setting's name: `key_transform=`)."""
+def _bare(spelling: str) -> Transform:
     name, _, arg = spelling.partition(":")
     if name not in TRANSFORMS:
         if not TRANSFORMS:
@@ -166,6 +195,19 @@ def get_transform(spelling: str) -> Transform:
             f"{spelling!r} is not a registered transform; allowed: {', '.join([NONE, *sorted(TRANSFORMS)])}"
         )
     return TRANSFORMS[name].parse(arg if ":" in spelling else None)
+
+
+def get_transform(spelling: str) -> Transform:
+    """The transform a spelling names (`hadamard`, `hadamard:64`, `rope_pre`, a fitted `innerq@<digest>`), with
+    one-line errors that start with the spelling (callers prefix the setting's name: `key_transform=`)."""
+    if "@" in spelling:
+        if spelling not in FITTED:
+            raise QuantConfigError(
+                f"{spelling!r} names a fitted transform this process has not fitted; give the bare name "
+                f"({spelling.partition('@')[0]}) and let calibration fit it"
+            )
+        return FITTED[spelling]
+    return _bare(spelling)
 
 
 def check_transforms(spellings, tensor: str, knob: str) -> tuple[str, ...]:

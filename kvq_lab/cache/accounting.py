@@ -1,0 +1,68 @@
+"""Bits per element of everything a cache config stores, so methods compare at equal memory.
+
+`cache/bits*` (`kvq_lab.runner.cache_bits`) is the format's own cost: codes + per-group parameters. The totals here
+add what the methods of issue 10 store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
+
+    exact tokens     sink_tokens, plus residual_length in packed mode (the window: R tokens at its fullest), 16 bits
+    quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
+    outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
+                     of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
+    per layer        a fitted lut/nuq codebook (fp32, 2^bits entries), key outlier thresholds (fp16, H * D),
+                     innerq scales (fp16, H * D), rotatekv channel orders (1 byte, H * D)
+
+averaged over the layers (their fitted configs where calibration made them). N: the task's sequence length where
+it has one (task=ppl: context_tokens + eval_tokens), else 1024; reported as `cache/bits_tokens`.
+"""
+
+from __future__ import annotations
+
+from kvq_lab.quant.outliers import entry_bytes
+from kvq_lab.quant.transforms import get_transform
+
+from .config import CacheConfig
+
+DEFAULT_TOKENS = 1024
+
+
+def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head_dim: int) -> float:
+    """Stored bits per element of one layer's `tensor` ("key" / "value") over n_tokens (module docstring)."""
+    from kvq_lab.quant.formats import bits_per_element
+    from kvq_lab.quant.reference import code_format
+
+    spec = getattr(cache, tensor)
+    if spec.is_identity:
+        return 16.0
+    exact = min(n_tokens, cache.sink_tokens + (cache.residual_length if cache.mode == "packed" else 0))
+    quant = n_tokens - exact
+    fmt = code_format(spec)
+    bits = exact * 16.0 + quant * bits_per_element(fmt, spec.group_size, spec.axis)
+    f = getattr(cache, f"{tensor}_outliers")
+    if f:
+        share = f if tensor == "key" else max(1, round(f * head_dim)) / head_dim
+        bits += quant * share * 8 * entry_bytes()
+    per_layer = 8 * fmt.table_bytes if spec.format in ("lut", "nuq") else 0  # bytes -> bits, over H*N*D elements
+    if tensor == "key" and cache.key_outlier_thresholds is not None:
+        per_layer += 16 * heads * head_dim
+    for s in getattr(cache, f"{tensor}_transform"):
+        name = get_transform(s).name
+        per_layer += {"innerq": 16, "rotatekv": 8}.get(name, 0) * heads * head_dim
+    return bits / n_tokens + per_layer / (heads * n_tokens * head_dim)
+
+
+def stored_bits(cache: CacheConfig, cfg=None, model_config=None) -> dict[str, float]:
+    """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`."""
+    t = (cfg.get("task") or {}) if cfg is not None else {}
+    n = int(t["context_tokens"]) + int(t["eval_tokens"]) if t.get("name") == "ppl" else DEFAULT_TOKENS
+    heads, head_dim, n_layers = 1, 64, max(1, len(cache.layers))
+    if model_config is not None:
+        text = model_config.get_text_config(decoder=True)
+        heads = text.num_key_value_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        n_layers = text.num_hidden_layers
+    out = {}
+    for tensor in ("key", "value"):
+        per = [tensor_bits(cache.for_layer(i), tensor, n, heads, head_dim) for i in range(n_layers)]
+        out[f"cache/bits_total_{tensor}"] = sum(per) / len(per)
+    out["cache/bits_total"] = (out["cache/bits_total_key"] + out["cache/bits_total_value"]) / 2
+    out["cache/bits_tokens"] = float(n)
+    return out

@@ -1,0 +1,171 @@
+"""Calibration (`kvq_lab.calibration`): what it captures, where it caches, what it refuses, and that fitted configs
+run in both cache modes and through run.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers_models import compose, tiny_args
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+from kvq_lab import calibration as C
+from kvq_lab.cache import CacheConfig
+from kvq_lab.cache.base import PaddingState
+from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.config import ConfigError, config_hash, validate
+from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.quant.transforms.rope_pre import rotate
+
+
+class ByteTokenizer:
+    """Bytes as token ids (the tiny model's vocabulary is 256)."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        return SimpleNamespace(input_ids=torch.tensor([list(text.encode()[:20000])]))
+
+
+def settings(**kw):
+    return OmegaConf.create({"calibration": {"tokens": 128, "chunk": 64, **kw}, "task": {"name": "ppl"}})
+
+
+METHOD = CacheConfig(
+    QuantSpec(3, 32, "channel", "nuq"),
+    QuantSpec(2, 32, "token", "nuq"),
+    key_transform=["rope_pre", "rotatekv:16"],
+)
+
+
+def test_capture_is_what_the_model_hands_the_cache(tiny_model):
+    """Pre-RoPE keys rotated at their positions and values equal what DynamicCache receives, chunk by chunk (each
+    chunk is its own sequence: positions restart); gradients exist where keys and values are consumed."""
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(0))
+    caps = C.capture(tiny_model, ids, chunk=40)
+    rope = RopeHelper(tiny_model.model.rotary_emb)
+    for c0 in (0, 40):
+        dc = DynamicCache(config=tiny_model.config)
+        with torch.no_grad():
+            tiny_model(ids[:, c0 : c0 + 40], past_key_values=dc)
+        for i, cap in enumerate(caps):
+            part = slice(c0, c0 + 40)
+            pos = rope.positions(cap["key_pre"], cap["positions"][:, part])
+            k = rotate(cap["key_pre"][:, :, part], pos.cos, pos.sin)
+            torch.testing.assert_close(k, dc.layers[i].keys, rtol=0, atol=1e-5)
+            assert torch.equal(cap["value"][:, :, part], dc.layers[i].values)
+    for cap in caps:
+        for g in ("g_key_pre", "g_value"):
+            assert torch.isfinite(cap[g]).all() and cap[g].abs().sum() > 0
+    assert all(not p.requires_grad for p in tiny_model.parameters()) or all(
+        p.requires_grad for p in tiny_model.parameters()
+    )  # parameters' flags restored as they were
+
+
+def test_calibration_is_fitted_once_and_cached(tiny_model, tmp_path, monkeypatch, data_dir):
+    monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path))
+    tok = ByteTokenizer()
+    f = C.calibrate(tiny_model, tok, METHOD, settings(), data_dir, "tiny")
+    assert len(f.layers) == tiny_model.config.num_hidden_layers
+    lc = f.for_layer(1)
+    assert lc.key.format == lc.value.format == "lut" and lc.key.codebook is not None
+    assert lc.key_transform[0] == "rope_pre" and lc.key_transform[1].startswith("rotatekv:16@")
+    assert f.for_layer(0).key.codebook != lc.key.codebook  # a codebook per layer
+    (saved,) = tmp_path.glob("*.pt")
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr(C, "capture", no_capture)
+    assert C.calibrate(tiny_model, tok, METHOD, settings(), data_dir, "tiny") == f  # from the disk cache
+    with pytest.raises(AssertionError, match="captured again"):  # other settings: another fit
+        C.calibrate(tiny_model, tok, METHOD, settings(tokens=192), data_dir, "tiny")
+    assert C.calibrate(tiny_model, tok, CacheConfig(), settings(), data_dir, "tiny") == CacheConfig()  # nothing fitted
+
+
+def test_fitted_config_simulated_equals_packed(tiny_model, tmp_path, monkeypatch, data_dir):
+    """Where both modes quantize the same tokens with the same groups (R = 0) they hold the same values, bit for bit,
+    with the fitted codebooks and transforms of a layer; and the fitted layers differ from the unfitted ones."""
+    monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path))
+    f = C.calibrate(tiny_model, ByteTokenizer(), METHOD, settings(), data_dir, "tiny")
+    rope = RopeHelper(tiny_model.model.rotary_emb)
+    lc = f.for_layer(1)
+    sim = SimulatedLayer(lc, rope, PaddingState())
+    pk = PackedLayer(CacheConfig(**{**lc.__dict__, "mode": "packed", "backend": "torch"}), rope, PaddingState())
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, 2, 100, 64, generator=g), torch.randn(1, 2, 100, 64, generator=g)
+    sim.update(k[:, :, :64], v[:, :, :64])
+    pk.update(k[:, :, :64], v[:, :, :64])
+    for N in range(64, 100):
+        ks, vs = sim.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        pk.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    K, V = pk.materialize()
+    assert torch.equal(K[:, :, :96], ks[:, :, :96]) and torch.equal(V, vs)
+    nf = SimulatedLayer(CacheConfig(QuantSpec(3, 32, "channel", "nuq"), QuantSpec(2, 32, "token", "nuq")), rope)
+    nf.update(k, v)
+    assert not torch.equal(nf.update(k[:, :, :1], v[:, :, :1])[1][:, :, :100], vs)
+
+
+def test_coqa_tail_must_not_overlap_the_ppl_windows():
+    cfg = OmegaConf.create(
+        {"task": {"name": "ppl", "source": "coqa_stories", "windows": 4, "context_tokens": 512, "eval_tokens": 512}}
+    )
+    s = {**C.DEFAULTS, "source": "coqa_stories", "tokens": 2048}
+    with pytest.raises(ValueError, match="overlap the 4096 that task=ppl scores") as e:
+        C.token_ids(ByteTokenizer(), "x" * 5000, s, cfg)
+    assert "\n" not in str(e.value)
+    assert C.token_ids(ByteTokenizer(), "x" * 7000, s, cfg).shape == (1, 2048)  # the tail, after the windows
+
+
+BAD = [
+    (["key_format=nuq", "calibration.source=null"], r"^key_format=nuq is fitted on calibration data: set calibration"),
+    (["key_transform=innerq", "calibration=file"], r"^calibration.source=file needs calibration.path="),
+    (["key_outliers=0.01", "calibration=coqa_stories"], r"would fit key_outliers=0.01 on the stories task=coqa_turns"),
+    (["key_format=nuq", "calibration.tokens=3"], r"^calibration.tokens=3 must be an integer >= 64$"),
+    (["key_format=nuq", "+calibration.bogus=1"], r"^calibration.bogus is not a calibration setting"),
+    (["key_format=nuq", "key_bits=16"], r"^key_format=nuq takes 1, 2, 3, 4 bits; key_bits=16 conflicts"),
+    (["value_format=nuq", "value_bits=8"], r"^value_format=nuq takes 1, 2, 3, 4 bits; value_bits=8 conflicts"),
+    (["key_outliers=0.5"], r"^key_outliers=0.5 must be a fraction in \[0, 0.5\)"),
+    (["value_outliers=-0.1"], r"^value_outliers=-0.1 must be a fraction"),
+    (["value_outliers=0.01", "mode=packed"], r"apply to mode=simulated"),
+    (["value_transform=innerq"], r"innerq transforms keys only"),
+    (["key_transform=rotatekv:12"], r"rotatekv:12 has a block that is not a power of two"),
+    (["key_transform=rotatekv:128", "model.head_dim=64"], r"rotatekv needs Hadamard blocks .* use rotatekv:64"),
+    (["key_transform=innerq@0123456789ab"], r"names a fitted transform this process has not fitted"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_method_settings_fail_in_one_line_before_load(overrides, message, data_dir):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(compose([*overrides, f"data_dir={data_dir}"]))
+    assert "\n" not in str(e.value)
+
+
+def test_calibration_settings_hash_only_where_used(data_dir):
+    h = lambda *o: config_hash(compose([*o, f"data_dir={data_dir}"]))  # noqa: E731
+    assert h() == h("calibration.tokens=4096")  # no fitted method: calibration is not part of the run
+    assert h("key_format=nuq") != h("key_format=nuq", "calibration.tokens=4096")
+    assert h("key_outliers=0.0") == h()
+
+
+def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    """run.py with fitted methods: calibration once (the second run reads the disk cache), every stored bit counted."""
+    from kvq_lab.runner import run
+
+    monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path / "cal"))
+    cal = ["calibration.tokens=128", "calibration.chunk=64"]
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + cal
+    m = run(compose(args + ["key_format=nuq", "key_bits=3", "rope=pre", "key_outliers=0.01", "value_outliers=0.01"]))
+    assert math.isfinite(m["ppl/ppl"])
+    assert m["cache/bits_total_key"] > m["cache/bits_key"] + 0.48  # outliers (48 bits x 1%) and the codebooks
+    assert len(list((tmp_path / "cal").glob("*.pt"))) == 1
+    m2 = run(compose(args + ["key_transform=innerq", "key_axis=token", "mode=packed", "residual_length=32"]))
+    assert math.isfinite(m2["ppl/ppl"]) and len(list((tmp_path / "cal").glob("*.pt"))) == 2
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert any("_Kinnerq" in r for r in runs) and any("Kout0.01" in r for r in runs)
+    assert Path(tmp_path / "runs").is_dir()
