@@ -76,6 +76,7 @@ class RunSchema:
     probes: dict[str, Any] = field(default_factory=dict)  # probe settings (prompts, lengths), see conf/config.yaml
     calibration: dict[str, Any] = field(default_factory=dict)  # fitted methods' data (kvq_lab.calibration)
     recompute: dict[str, Any] = field(default_factory=dict)  # mode=recompute settings (rank), see conf/config.yaml
+    precision: dict[str, Any] = field(default_factory=dict)  # per-layer key/value bits (kvq_lab.precision)
 
 
 def register_schema() -> None:
@@ -167,8 +168,8 @@ def _show(v) -> str:
     return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
-def cache_config(cfg: DictConfig) -> CacheConfig:
-    """The cache the run asks for, from the top-level knobs (validated, one-line errors)."""
+def _uniform_cache_config(cfg: DictConfig) -> CacheConfig:
+    """The cache of the top-level knobs, every layer alike (validated, one-line errors)."""
     key_axis = _choice(cfg, "key_axis", AXES)
     value_axis = _choice(cfg, "value_axis", AXES)
     key_format, key_bits = _code(cfg, "key")
@@ -199,6 +200,14 @@ def cache_config(cfg: DictConfig) -> CacheConfig:
         raise ConfigError(str(e)) from None
 
 
+def cache_config(cfg: DictConfig) -> CacheConfig:
+    """The cache the run asks for, from the top-level knobs (validated, one-line errors); precision=file gives it
+    the file's per-layer key/value bits (`kvq_lab.precision`)."""
+    from kvq_lab import precision
+
+    return precision.apply_file(cfg, _uniform_cache_config(cfg))
+
+
 def _recompute_rank(cfg: DictConfig) -> int | None:
     """`recompute.rank` (mode=recompute: cache X's projection on r singular vectors; null: X itself)."""
     r = cfg.get("recompute") or {}
@@ -212,6 +221,10 @@ def check_recompute(cfg: DictConfig, cache: CacheConfig, model: str) -> None:
     sources (hub ids, GGUF files) are checked the same way when the cache is built, right after loading."""
     if cfg.get("probe") or cfg.task.get("name") == "probe":
         raise ConfigError("the probes measure K/V quantizers; mode=recompute quantizes X: use mode=packed or simulated")
+    from kvq_lab.calibration import needs_calibration, what_is_fitted
+
+    if needs_calibration(cache):
+        raise ConfigError(f"{what_is_fitted(cache)} is fitted on K/V; mode=recompute quantizes X: unset it")
     from kvq_lab.models import resolve
 
     path = Path(resolve(model)).expanduser()
@@ -282,6 +295,11 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
     for k in (*where, *CACHE_KNOBS):
         c.pop(k, None)
     c.pop("recompute", None)  # in the cache config (recompute_rank)
+    from kvq_lab import precision
+
+    c["precision"] = precision.hash_part(cfg)  # per-layer bits by content; uniform: left out, older hashes stay
+    if c["precision"] is None:
+        del c["precision"]
     cache = cache if cache is not None else cache_config(cfg)
     fields = asdict(cache.unfitted()).items()
     c["cache"] = {k: v for k, v in fields if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
@@ -304,6 +322,9 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
     cache = cache_config(cfg)
     check_device(cfg, cache)
+    from kvq_lab import precision
+
+    precision.check(cfg, cache)  # per-layer bits: settings, a budget the smallest choice meets, a mode with K and V
     from kvq_lab.calibration import check_calibration
 
     check_calibration(cfg, cache)  # fitted methods: their calibration text exists and is not the evaluated one

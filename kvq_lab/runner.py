@@ -68,7 +68,9 @@ def cache_bits(cache) -> dict[str, float]:
     def one(spec):
         return 16.0 if spec.is_identity else bits_per_element(code_format(spec), spec.group_size, spec.axis)
 
-    k, v = one(cache.key), one(cache.value)
+    layers = [cache.for_layer(i) for i in range(len(cache.layers))] or [cache]  # per-layer precision: the mean
+    k = sum(one(c.key) for c in layers) / len(layers)
+    v = sum(one(c.value) for c in layers) / len(layers)
     return {"cache/bits_key": k, "cache/bits_value": v, "cache/bits": (k + v) / 2}
 
 
@@ -198,6 +200,11 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
             from kvq_lab.calibration import calibrate
 
             plan.cache = calibrate(model, tok, plan.cache, cfg, plan.data_dir, plan.inputs.get("model"))
+        with timer("precision_s"):  # precision=search: per-layer key/value bits under a budget (kvq_lab.precision)
+            from kvq_lab import precision
+
+            plan.cache = precision.resolve(model, tok, plan.cache, cfg, plan.data_dir, run_dir)
+            record["cache_config"] = asdict(plan.cache)
         make_cache = cache_factory(plan, model)
         ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit, cache_config=plan.cache)
         with timer("task_s"), torch.inference_mode():
@@ -207,6 +214,7 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
 
                 metrics.update(run_probes_for_task(ctx))
         metrics.update(cache_bits(plan.cache))
+        metrics.update(precision.metrics(model, plan.cache, cfg))  # per-layer bits: means and stored bits
         from kvq_lab.cache.accounting import stored_bits
 
         metrics.update(stored_bits(plan.cache, cfg, model.config))  # all stored: codebooks, outliers, windows, sinks

@@ -222,3 +222,12 @@ def test_smollm2_16_bits_equals_dynamic_cache(smol):
         assert torch.equal(out, ref), rank
     low = greedy(model, QuantizedKVCache.for_model(model, recompute_cfg(2, 64)), ids, n=24)
     assert not torch.equal(low, ref)
+
+
+def test_fitted_methods_refused_before_load(tiny_model_dir, tmp_path, data_dir, monkeypatch):
+    from kvq_lab.config import ConfigError, validate
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=recompute", "format=nuq", "bits=4"]
+    with pytest.raises(ConfigError, match="fitted on K/V"):
+        validate(compose(args))

@@ -65,7 +65,7 @@ def probe_model(
     tokens = []
     for i, ids in enumerate(input_ids):
         caps = capture_qkv(model, ids.to(device))
-        per_layer = [layer_errors(c, cache, settings, rope) for c in caps]
+        per_layer = [layer_errors(c, cache.for_layer(i), settings, rope) for i, c in enumerate(caps)]  # per-layer specs
         del caps
         for qname in per_layer[0]:
             for d in per_layer[0][qname]:

@@ -1,0 +1,104 @@
+"""Table and figure of experiments/mixed_precision from its run records (python experiments/mixed_precision/table.py).
+
+Rows: one per cache (uniform b-bit, or a searched per-layer assignment), with decode ppl, CoQA-turns F1 (when run),
+mean key/value code bits, and stored bits per K/V element counted as the search counts them
+(`kvq_lab.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
+per-layer key and value bits of each searched row (per_layer_bits.png).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+from kvq_lab import precision  # noqa: E402
+from kvq_lab.cache.config import CacheConfig  # noqa: E402
+from kvq_lab.quant.spec import QuantSpec  # noqa: E402
+
+
+def records():
+    for p in sorted((HERE / "runs").glob("*/record.json")):
+        r = json.loads(p.read_text())
+        if r.get("status") == "ok":
+            yield p.parent, r
+
+
+def spec(d) -> QuantSpec:
+    return QuantSpec(d["bits"], d["group_size"], d["axis"], d["format"])
+
+
+def main() -> None:
+    from kvq_lab.models import load_model
+
+    model, _ = load_model("smollm2-135m")
+    rows: dict[tuple, dict] = {}
+    for folder, r in records():
+        cc = r["cache_config"]
+        layers = cc.get("layers") or []
+        kb = [lc["key"]["bits"] for lc in layers] or [cc["key"]["bits"]] * 30
+        vb = [lc["value"]["bits"] for lc in layers] or [cc["value"]["bits"]] * 30
+        prec = r["config"].get("precision") or {}
+        name = prec.get("name", "uniform")
+        budget = prec.get("budget") if name == "search" else None
+        if name == "file":  # CoQA rows rerun a searched file: name them by the budget it was searched under
+            budget = precision.read_file(prec["path"]).get("budget")
+        key = (tuple(kb), tuple(vb))
+        row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "folder": folder})
+        row["budget"] = row["budget"] or budget
+        m = r["metrics"]
+        if "ppl/ppl" in m:
+            row["ppl"] = m["ppl/ppl"]
+        if "coqa_turns/f1" in m:
+            row["f1"], row["n"] = m["coqa_turns/f1"], r["config"].get("limit")
+        if name == "search":
+            row["searched"] = folder / "precision.yaml"
+        row["tokens"] = prec.get("tokens") or 1024
+    base = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"))
+    lines = [
+        "| row | budget | mean key bits | mean value bits | stored bits / element | decode ppl | CoQA-turns F1 (n) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (kb, vb), row in sorted(rows.items(), key=lambda kv: sum(kv[0][0]) + sum(kv[0][1])):
+        costs = precision.measure_costs(model, base, sorted(set(kb) | set(vb)), row["tokens"])
+        stored = costs.bits(list(kb), list(vb))
+        label = f"searched, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
+        f1 = f"{row['f1']:.2f} ({row['n']})" if "f1" in row else "-"
+        ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
+        budget = f"{row['budget']:g}" if row["budget"] else "-"
+        lines.append(
+            f"| {label} | {budget} | {sum(kb) / len(kb):.2f} | {sum(vb) / len(vb):.2f} | {stored:.3f} | {ppl} | {f1} |"
+        )
+        row["label"] = label
+    table = "\n".join(lines)
+    print(table)
+    (HERE / "table.md").write_text(table + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    searched = [r for r in rows.values() if r["budget"]]
+    if not searched:
+        return
+    fig, axes = plt.subplots(len(searched), 1, figsize=(9, 2.2 * len(searched)), sharex=True, squeeze=False)
+    for ax, row in zip(axes[:, 0], sorted(searched, key=lambda r: r["budget"]), strict=True):
+        x = range(len(row["kb"]))
+        ax.step(x, row["kb"], where="mid", label="key bits", lw=2)
+        ax.step(x, row["vb"], where="mid", label="value bits", lw=2, ls="--")
+        ax.set_ylabel("bits")
+        ax.set_yticks([2, 3, 4, 8])
+        ax.set_title(row["label"], fontsize=9)
+        ax.legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("layer")
+    fig.tight_layout()
+    fig.savefig(HERE / "per_layer_bits.png", dpi=110)
+    print(f"wrote {HERE / 'table.md'} and {HERE / 'per_layer_bits.png'}")
+
+
+if __name__ == "__main__":
+    main()

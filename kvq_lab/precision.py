@@ -1,0 +1,403 @@
+"""Layer-wise mixed precision (KVTuner-like): per-layer (key bits, value bits) searched under an average-bits budget.
+
+`precision=uniform` (default): every layer uses `key_bits`/`value_bits`. `precision=search`: after the model loads,
+(1) measure each layer's sensitivity, (2) count each choice's bytes, (3) pick the per-layer bits with the least
+total sensitivity whose bytes fit the budget, (4) write them to `<run folder>/precision.yaml`, which
+`precision=file precision.path=<that file>` reruns exactly (the same per-layer specs, so the same cache).
+
+Sensitivity signal: the KL divergence of the next-token distribution, KL(p_fp || p_q) averaged over the positions
+of `precision.tokens` tokens of text (`precision.source`, GSM8K train by default: text no task scores), with ONE
+layer's keys (or values) fake-quantized at b bits (simulated mode, every token quantized, the run's axes, group
+size, format, transforms and sinks) and everything else exact. Why KL and not the probes' per-layer attention-output
+error: the probes measure each layer in its own units (a relative error at layer 0 and at layer 29 do not cost the
+same), and ignore how the error propagates through the later layers; the logit KL is in the units of the loss the
+tasks respond to (decode perplexity is exp of NLL, and NLL - NLL_fp ~ KL to first order), and it measures the
+whole path. The cost is 2 L |choices| forward passes of the text (SmolLM2, 30 layers, 4 choices, 512 tokens:
+~2 minutes on one CPU core). The search assumes the per-(layer, tensor) KLs add up, which holds to first order for
+small perturbations; it is tested end to end by the mixed-precision experiment, not assumed to be exact.
+
+Bytes, "everything counted as `nbytes()` counts": one packed-cache layer with the run's residual window, sinks,
+transforms and the model's (heads, head dim, dtype) is filled with `precision.tokens` tokens per choice, and its
+key and value streams' `nbytes()` (codes, fp16 parameters, exact window) plus its sinks are what a choice costs.
+Simulated-mode runs store nothing; they are budgeted as the packed cache with the same quantizers (R = 0) would
+store them. The budget is in bits per cached K/V element: stored bits / (2 L H_kv T D).
+
+Search: an exact multiple-choice knapsack (dynamic programming over total bytes, Pareto-pruned: costs are linear
+in bits, so the frontier holds a few hundred entries), one item per (layer, tensor), one option per choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.errors import ConfigError
+from kvq_lab.quant.spec import BITS, DEFAULT_FORMAT, QuantConfigError, QuantSpec
+
+log = logging.getLogger("kvq_lab")
+
+MODES = ("uniform", "search", "file")
+DEFAULTS = {"name": "uniform", "budget": None, "choices": [2, 3, 4, 8], "tokens": 512, "source": "gsm8k_train"}
+KEYS = (*DEFAULTS, "path")
+SOURCES = ("gsm8k_train", "file")
+FILE_KIND = "kvq_lab.precision/per_layer_bits/v1"
+GSM8K_TRAIN = Path("gsm8k") / "train.jsonl"
+
+
+# -- settings (model-free, before anything loads) --------------------------------------------------------------------
+def settings(cfg) -> dict[str, Any]:
+    """The run's `precision.*` over DEFAULTS, validated (one-line ConfigError)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    raw = cfg.get("precision") or {}
+    given = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)  # ??? stays text
+    unknown = sorted(set(given) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"precision.{unknown[0]} is not a precision setting; allowed: {', '.join(KEYS)}")
+    s = {**DEFAULTS, "path": None, **given}
+    if s["name"] not in MODES:
+        raise ConfigError(f"precision={s['name']!r}; choose one of: {', '.join(MODES)}")
+    if s["name"] == "search":
+        ch = s["choices"]
+        ch = list(ch) if not isinstance(ch, (str, int)) else None
+        if not ch or any(isinstance(b, bool) or b not in BITS for b in ch):
+            raise ConfigError(
+                f"precision.choices={s['choices']!r} must be a list of bit widths from {', '.join(map(str, BITS))}"
+            )
+        s["choices"] = sorted(set(ch))
+        b = s["budget"]
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0:
+            raise ConfigError(
+                f"precision.budget={b!r} must be a number of stored bits per K/V element, e.g. precision.budget=3.5"
+            )
+        t = s["tokens"]
+        if isinstance(t, bool) or not isinstance(t, int) or t < 32:
+            raise ConfigError(f"precision.tokens={t!r} must be an integer >= 32")
+        if s["source"] not in SOURCES:
+            raise ConfigError(f"precision.source={s['source']!r}; choose one of: {', '.join(SOURCES)}")
+        if s["source"] == "file" and not (isinstance(s["path"], str) and Path(s["path"]).expanduser().is_file()):
+            raise ConfigError(f"precision.source=file needs precision.path=<a UTF-8 text file> (got {s['path']!r})")
+    if s["name"] == "file" and not (isinstance(s["path"], str) and Path(s["path"]).expanduser().is_file()):
+        raise ConfigError(
+            f"precision=file needs precision.path=<a precision.yaml written by precision=search> (got {s['path']!r})"
+        )
+    return s
+
+
+def lower_bound_bits(cache: CacheConfig, choices: list[int]) -> float:
+    """Stored bits per element of the cheapest assignment (every layer at the smallest choice), codes and per-group
+    parameters only: windows and sinks can only add to it. Model-free."""
+    b = min(choices)
+
+    def one(spec: QuantSpec) -> float:
+        if b >= 16:
+            return 16.0
+        if spec.format == DEFAULT_FORMAT and spec.codebook is None:
+            return b + 32 / spec.group_size  # int: fp16 scale and zero per group
+        from kvq_lab.quant.formats import bits_per_element
+        from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
+        from kvq_lab.quant.reference import code_format
+
+        return bits_per_element(code_format(replace(spec, bits=b)), spec.group_size, spec.axis)
+
+    return (one(cache.key) + one(cache.value)) / 2
+
+
+def check(cfg, cache: CacheConfig) -> None:
+    """Before any model loads: the settings, a budget the cheapest assignment can meet, a mode that has per-layer
+    key and value specs (one-line ConfigError)."""
+    s = settings(cfg)
+    if s["name"] == "uniform":
+        return
+    if cache.mode == "recompute":
+        raise ConfigError(f"precision={s['name']} sets per-layer key/value bits; mode=recompute stores X: use uniform")
+    from kvq_lab.calibration import needs_calibration, what_is_fitted
+
+    if needs_calibration(cache):  # calibration fits one config per layer at the run's bits (nuq codebooks...)
+        raise ConfigError(f"precision={s['name']} with {what_is_fitted(cache)} (fitted per layer) is not supported")
+    if s["name"] == "file":
+        read_file(s["path"])
+        return
+    try:
+        for b in s["choices"]:  # every choice must be a width the run's formats take (fp8: 8 only)
+            for spec in (cache.key, cache.value):
+                CacheConfig(key=replace(spec, bits=b), value=replace(spec, bits=b))
+    except QuantConfigError as e:
+        raise ConfigError(f"precision.choices: {e}") from None
+    low = lower_bound_bits(cache, s["choices"])
+    if s["budget"] < low:
+        raise ConfigError(
+            f"precision.budget={s['budget']:g} is below the smallest choice: every layer at {min(s['choices'])} bits "
+            f"stores {low:g} bits per element (codes + per-group parameters, before windows and sinks); raise the "
+            f"budget to >= {low:g} or add a smaller choice"
+        )
+
+
+# -- the precision file ----------------------------------------------------------------------------------------------
+def read_file(path: str) -> dict[str, Any]:
+    """A precision.yaml (JSON is YAML) written by `write_file`: {"key_bits": [L], "value_bits": [L], ...}."""
+    import yaml
+
+    try:
+        d = yaml.safe_load(Path(path).expanduser().read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"precision.path={path!r} cannot be read: {type(e).__name__}") from None
+    ok = isinstance(d, dict) and d.get("kind") == FILE_KIND
+    kb, vb = (d.get("key_bits"), d.get("value_bits")) if ok else (None, None)
+    if not ok or not isinstance(kb, list) or not isinstance(vb, list) or len(kb) != len(vb) or not kb:
+        raise ConfigError(f"precision.path={path!r} is not a precision file (kind {FILE_KIND}) written by search")
+    if any(isinstance(b, bool) or b not in BITS for b in kb + vb):
+        raise ConfigError(f"precision.path={path!r}: bits must be among {', '.join(map(str, BITS))}")
+    return d
+
+
+def write_file(path: Path, key_bits: list[int], value_bits: list[int], meta: dict[str, Any]) -> None:
+    """Write the per-layer bits and how they were found; `precision=file precision.path=<path>` reruns them."""
+    import yaml
+
+    header = f"# per-layer (key bits, value bits): rerun with precision=file precision.path={path}\n"
+    body = {"kind": FILE_KIND, "key_bits": key_bits, "value_bits": value_bits, **meta}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(header + yaml.safe_dump(json.loads(json.dumps(body)), sort_keys=False, width=200))
+    tmp.replace(path)
+
+
+def per_layer(cache: CacheConfig, key_bits: list[int], value_bits: list[int]) -> CacheConfig:
+    """The cache with layer i's key and value quantizers at key_bits[i], value_bits[i] (`CacheConfig.layers`; every
+    other setting as the run's)."""
+    if cache.layers:
+        raise ConfigError("per-layer precision on a cache that calibration already fitted per layer is not supported")
+    layers = tuple(
+        replace(cache, key=replace(cache.key, bits=kb), value=replace(cache.value, bits=vb))
+        for kb, vb in zip(key_bits, value_bits, strict=True)
+    )
+    return replace(cache, layers=layers)
+
+
+def apply_file(cfg, cache: CacheConfig) -> CacheConfig:
+    """precision=file: the run's cache with the file's per-layer bits (model-free: the layer count is checked
+    against the model once it loads, `resolve`)."""
+    s = settings(cfg)
+    if s["name"] != "file":
+        return cache
+    d = read_file(s["path"])
+    try:
+        return per_layer(cache, d["key_bits"], d["value_bits"])
+    except QuantConfigError as e:
+        raise ConfigError(f"precision.path={s['path']}: {e}") from None
+
+
+def hash_part(cfg) -> dict[str, Any] | None:
+    """What of `precision.*` determines a run: None for uniform; search: its settings (and the text file's
+    content); file: the per-layer bits it holds, not where the file lies."""
+    s = settings(cfg)
+    if s["name"] == "uniform":
+        return None
+    if s["name"] == "file":
+        d = read_file(s["path"])
+        return {"name": "file", "key_bits": d["key_bits"], "value_bits": d["value_bits"]}
+    part = {k: s[k] for k in ("name", "budget", "choices", "tokens", "source")}
+    if s["source"] == "file":
+        from kvq_lab.eval.text import read_text_file
+
+        part["text_sha256"] = read_text_file(s["path"])[1]
+    return part
+
+
+# -- bytes -----------------------------------------------------------------------------------------------------------
+@dataclass
+class Costs:
+    """Bytes of one layer at T tokens: `key[b]`, `value[b]` for each choice b (that tensor's stream as stored), and
+    `fixed` (sinks and other per-layer state, the same for every choice). `elements`: 2 H_kv T D, K and V."""
+
+    key: dict[int, int]
+    value: dict[int, int]
+    fixed: int
+    elements: int
+    layers: int
+
+    def bits(self, key_bits: list[int], value_bits: list[int]) -> float:
+        """Stored bits per K/V element of a per-layer assignment, as `nbytes()` counts them."""
+        streams = sum(self.key[k] + self.value[v] for k, v in zip(key_bits, value_bits, strict=True))
+        total = self.layers * self.fixed + streams
+        return 8 * total / (self.layers * self.elements)
+
+
+def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) -> Costs:
+    """Fill one packed layer with `tokens` random tokens per choice and read its streams' bytes (module docstring)."""
+    import torch
+
+    from kvq_lab.cache import QuantizedKVCache
+
+    text_cfg = model.config.get_text_config(decoder=True)
+    H = text_cfg.num_key_value_heads
+    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    R = cache.residual_length if cache.mode == "packed" else 0
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, H, tokens, D, generator=gen).to(dtype)
+    v = torch.randn(1, H, tokens, D, generator=gen).to(dtype)
+    key, value, fixed = {}, {}, None
+    for b in choices:
+        c = replace(cache, mode="packed", residual_length=R, backend="torch", layers=())
+        c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
+        layer = QuantizedKVCache.for_model(model, c).layers[0]
+        layer.update(k, v)
+        key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
+        f = layer.nbytes()[0] - key[b] - value[b]
+        if fixed is not None and f != fixed:
+            raise RuntimeError(f"the packed layer's fixed bytes changed with the bits ({fixed} vs {f})")
+        fixed = f
+    return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers)
+
+
+# -- sensitivity -----------------------------------------------------------------------------------------------------
+def sensitivity_text(s: dict[str, Any], data_dir: Path | None) -> str:
+    if s["source"] == "file":
+        from kvq_lab.eval.text import read_text_file
+
+        return read_text_file(s["path"])[0]
+    path = None if data_dir is None else data_dir / GSM8K_TRAIN
+    if path is not None and path.is_file():
+        rows = [json.loads(x) for x in path.read_text().splitlines()[:600] if x.strip()]
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset("openai/gsm8k", "main", split="train[:600]"))
+    return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
+
+
+def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[str, dict[int, list[float]]]:
+    """{"key"|"value": {b: [KL per layer]}}: mean KL(p_fp || p_q) over the positions of ids [1, T] with one layer's
+    keys (or values) fake-quantized at b bits and everything else exact (module docstring)."""
+    import torch
+
+    from kvq_lab.cache import QuantizedKVCache
+    from kvq_lab.models import cache_kwarg
+
+    L = model.config.get_text_config(decoder=True).num_hidden_layers
+    base = replace(cache, mode="simulated", residual_length=0, layers=())
+    exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(ids).logits[0].float(), -1)  # [T, V]
+        out: dict[str, dict[int, list[float]]] = {"key": {}, "value": {}}
+        for tensor in ("key", "value"):
+            for b in choices:
+                kls = []
+                for i in range(L):
+                    if b >= 16:
+                        kls.append(0.0)
+                        continue
+                    one = replace(exact, **{tensor: replace(getattr(base, tensor), bits=b)})
+                    cfg = replace(exact, layers=tuple(one if j == i else exact for j in range(L)))
+                    cache_i = QuantizedKVCache.for_model(model, cfg)
+                    logp = torch.log_softmax(model(ids, **{cache_kwarg(): cache_i}).logits[0].float(), -1)
+                    kls.append(float((ref.exp() * (ref - logp)).sum(-1).mean()))
+                out[tensor][b] = kls
+                log.info("precision: %s %d-bit KL per layer %s", tensor, b, " ".join(f"{x:.3g}" for x in kls))
+    return out
+
+
+# -- search ----------------------------------------------------------------------------------------------------------
+def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] | None:
+    """Exact multiple-choice knapsack: items[i] = [(cost, loss) per option]; pick one option per item minimizing the
+    total loss with total cost <= capacity (ties: the cheaper). -> option index per item, or None if infeasible.
+
+    Dynamic programming over total cost with a Pareto frontier (a state is kept only if no cheaper state has a
+    loss as low)."""
+    frontier: list[tuple[int, float, tuple[int, ...]]] = [(0, 0.0, ())]
+    for opts in items:
+        cand: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for c, loss, picks in frontier:
+            for j, (oc, ol) in enumerate(opts):
+                c2, l2 = c + oc, loss + ol
+                if c2 <= capacity and (c2 not in cand or l2 < cand[c2][0]):
+                    cand[c2] = (l2, (*picks, j))
+        frontier, best = [], float("inf")
+        for c in sorted(cand):
+            loss, picks = cand[c]
+            if loss < best:
+                frontier.append((c, loss, picks))
+                best = loss
+        if not frontier:
+            return None
+    return list(min(frontier, key=lambda e: (e[1], e[0]))[2])
+
+
+def search(sens: dict[str, dict[int, list[float]]], costs: Costs, budget: float, choices: list[int]):
+    """-> (key_bits [L], value_bits [L]) with the least total sensitivity whose stored bits per element (as
+    `Costs.bits` counts them) are at most `budget`; ConfigError (one line) when even the cheapest is over."""
+    L = costs.layers
+    capacity = int(budget * L * costs.elements // 8) - L * costs.fixed  # bytes the streams may take
+    items = []
+    for tensor, cost in (("key", costs.key), ("value", costs.value)):
+        for i in range(L):
+            items.append([(cost[b], sens[tensor][b][i]) for b in choices])
+    picks = knapsack(items, capacity)
+    if picks is None:
+        low = costs.bits([min(choices)] * L, [min(choices)] * L)
+        raise ConfigError(
+            f"precision.budget={budget:g} cannot be met: every layer at {min(choices)} bits stores {low:.4g} bits per "
+            "element with this run's windows and sinks counted; raise the budget or lower residual_length"
+        )
+    bits = [choices[j] for j in picks]
+    return bits[:L], bits[L:]
+
+
+def resolve(model, tok, cache: CacheConfig, cfg, data_dir: Path | None, run_dir: Path) -> CacheConfig:
+    """After the model loads: uniform -> `cache`; file -> `cache` (per-layer already, from `apply_file`) checked
+    against the model's layer count; search -> the searched per-layer cache, written to run_dir/precision.yaml."""
+    s = settings(cfg)
+    L = model.config.get_text_config(decoder=True).num_hidden_layers
+    if s["name"] == "file":
+        if len(cache.layers) != L:
+            raise ConfigError(
+                f"precision.path={s['path']} gives {len(cache.layers)} layers but the model has {L}; search again "
+                "for this model (precision=search)"
+            )
+        return cache
+    if s["name"] != "search":
+        return cache
+    choices, T = s["choices"], s["tokens"]
+    costs = measure_costs(model, cache, choices, T)
+    ids = tok(sensitivity_text(s, data_dir), return_tensors="pt", add_special_tokens=False).input_ids[:, :T]
+    if ids.shape[1] < T:
+        raise ConfigError(f"precision.source={s['source']} has {ids.shape[1]} tokens; lower precision.tokens={T}")
+    sens = sensitivities(model, ids.to(next(model.parameters()).device), cache, choices)
+    key_bits, value_bits = search(sens, costs, s["budget"], choices)
+    meta = {
+        "budget": s["budget"],
+        "choices": choices,
+        "stored_bits": costs.bits(key_bits, value_bits),
+        "signal": "logit_kl",
+        "tokens": T,
+        "source": s["source"],
+        "cache": cache.label(),
+        "sensitivity": {t: {str(b): v for b, v in d.items()} for t, d in sens.items()},
+        "bytes": {"key": costs.key, "value": costs.value, "fixed_per_layer": costs.fixed},
+    }
+    write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)
+    log.info("precision: key bits %s, value bits %s (%.3f bits/element)", key_bits, value_bits, meta["stored_bits"])
+    return per_layer(cache, key_bits, value_bits)
+
+
+def metrics(model, cache: CacheConfig, cfg) -> dict[str, float]:
+    """A per-layer cache's mean key and value bits and its stored bits per K/V element as the search counts them
+    (`Costs.bits`, at `precision.tokens` tokens, or the file's); {} under precision=uniform (calibrated per-layer
+    configs included: their bits are the run's)."""
+    s = settings(cfg)
+    if s["name"] == "uniform" or not cache.layers:
+        return {}
+    T = read_file(s["path"]).get("tokens", s["tokens"]) if s["name"] == "file" else s["tokens"]
+    kb, vb = [c.key.bits for c in cache.layers], [c.value.bits for c in cache.layers]
+    costs = measure_costs(model, cache, sorted(set(kb) | set(vb)), T)
+    return {
+        "precision/key_bits_mean": sum(kb) / len(kb),
+        "precision/value_bits_mean": sum(vb) / len(vb),
+        "precision/bits_stored": costs.bits(kb, vb),
+        "precision/bits_tokens": float(T),
+    }

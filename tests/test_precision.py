@@ -1,0 +1,210 @@
+"""Layer-wise mixed precision (kvq_lab/precision.py): the knapsack is exact, the budget holds as nbytes() counts it,
+the saved file reruns the same metrics, bad settings fail in one line before the model loads."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_models import compose, tiny_args
+from omegaconf import OmegaConf
+
+from kvq_lab import precision
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.config import ConfigError, validate
+from kvq_lab.quant.spec import QuantSpec
+
+
+def brute_force(items, capacity):
+    best = None
+    for picks in itertools.product(*[range(len(o)) for o in items]):
+        cost = sum(items[i][j][0] for i, j in enumerate(picks))
+        loss = sum(items[i][j][1] for i, j in enumerate(picks))
+        if cost <= capacity and (best is None or (loss, cost) < best[:2]):
+            best = (loss, cost, list(picks))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_knapsack_is_exact(seed):
+    rng = random.Random(seed)
+    items = [[(rng.randint(1, 9), rng.random()) for _ in range(3)] for _ in range(5)]
+    cap = rng.randint(10, 30)
+    want = brute_force(items, cap)
+    got = precision.knapsack(items, cap)
+    if want is None:
+        assert got is None
+        return
+    loss = sum(items[i][j][1] for i, j in enumerate(got))
+    assert loss == pytest.approx(want[0]) and sum(items[i][j][0] for i, j in enumerate(got)) <= cap
+
+
+def test_sensitive_layers_get_the_bits():
+    """Direction: with room for two upgrades, they go to the two most sensitive (layer, tensor) items (layer 1's
+    keys, layer 0's values), and a budget of the all-smallest cost gives all-smallest."""
+    costs = precision.Costs(key={2: 10, 4: 20}, value={2: 10, 4: 20}, fixed=0, elements=80, layers=3)
+    sens = {
+        "key": {2: [0.1, 5.0, 0.1], 4: [0.0, 0.0, 0.0]},
+        "value": {2: [3.0, 0.2, 0.1], 4: [0.0, 0.0, 0.0]},
+    }
+    kb, vb = precision.search(sens, costs, budget=costs.bits([2, 2, 2], [2, 2, 2]) + 20 * 8 / 240, choices=[2, 4])
+    assert (kb, vb) == ([2, 4, 2], [4, 2, 2])
+    kb, vb = precision.search(sens, costs, budget=costs.bits([2, 2, 2], [2, 2, 2]), choices=[2, 4])
+    assert (kb, vb) == ([2, 2, 2], [2, 2, 2])
+    with pytest.raises(ConfigError, match="cannot be met") as e:
+        precision.search(sens, costs, budget=costs.bits([2, 2, 2], [2, 2, 2]) - 0.01, choices=[2, 4])
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from kvq_lab.models import resolve
+
+    return AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def model3(tok):
+    from conftest import tiny_llama
+
+    return tiny_llama(vocab=len(tok), layers=3)
+
+
+@pytest.mark.parametrize("mode,R,S", [("packed", 0, 0), ("packed", 32, 4), ("simulated", 0, 0)])
+def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S):
+    """The searched cache, filled with `tokens` tokens in packed mode, stores at most the budget in bits per K/V
+    element by its own nbytes(); the search's count equals nbytes() exactly; the budget is used (the cheapest
+    assignment is under it, so the search had to choose)."""
+    T = 128
+    base = CacheConfig(mode=mode, residual_length=R, sink_tokens=S)
+    costs = precision.measure_costs(model3, base, [2, 4, 8], T)
+    L = 3
+    low = costs.bits([2] * L, [2] * L)
+    budget = low + 2.0
+    cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 4, 8], "tokens": T}})
+    out = precision.resolve(model3, tok, base, cfg, data_dir, tmp_path)
+    kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
+    assert kb + vb != [2] * (2 * L)  # room to upgrade was used
+    packed = precision.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S), kb, vb)
+    cache = QuantizedKVCache.for_model(model3, packed)
+    with torch.no_grad():
+        model3(torch.randint(3, 1000, (1, T)), past_key_values=cache)
+    nb = cache.nbytes()
+    measured = 8 * nb["stored"] / (nb["fp16"] / 2)
+    assert measured == pytest.approx(costs.bits(kb, vb), abs=1e-12)
+    assert low < measured <= budget
+    assert (tmp_path / "precision.yaml").is_file()
+
+
+def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
+    from kvq_lab.runner import run
+
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=simulated", "precision.tokens=64"]
+    searched = run(compose(args + ["precision=search", "precision.budget=13.5", "precision.choices=[2,4,8]"]))
+    files = list(tmp_path.glob("runs/*/precision.yaml"))
+    assert len(files) == 1
+    again = run(compose(args[:-1] + ["precision=file", f"precision.path={files[0]}"]))
+    ppl = next(k for k in searched if "ppl" in k)
+    assert again[ppl] == searched[ppl]
+    assert again["precision/bits_stored"] == searched["precision/bits_stored"] <= 13.5
+    d = precision.read_file(str(files[0]))
+    assert (d["key_bits"], d["value_bits"]) != ([2, 2], [2, 2])  # pair: the file's bits are not the uniform run's
+    uniform = run(compose(args[:-1]))
+    assert uniform[ppl] != again[ppl]
+
+
+def test_file_with_other_layer_count_fails_in_one_line(model3, tok, tmp_path):
+    path = tmp_path / "p.yaml"
+    precision.write_file(path, [2, 4], [2, 2], {})
+    cfg = OmegaConf.create({"precision": {"name": "file", "path": str(path)}})
+    cache = precision.apply_file(cfg, CacheConfig())
+    assert [c.key.bits for c in cache.layers] == [2, 4]
+    with pytest.raises(ConfigError, match="gives 2 layers but the model has 3") as e:
+        precision.resolve(model3, tok, cache, cfg, None, tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_layers_read_their_own_specs(model3):
+    """Every layer type reads its specs through CacheConfig.for_layer: a per-layer cache's layers hold them."""
+    for mode in ("simulated", "packed"):
+        cache = QuantizedKVCache.for_model(model3, precision.per_layer(CacheConfig(mode=mode), [2, 4, 8], [8, 4, 2]))
+        assert [(ly.cfg.key.bits, ly.cfg.value.bits) for ly in cache.layers] == [(2, 8), (4, 4), (8, 2)]
+
+
+# -- one line, before the model loads --------------------------------------------------------------------------------
+@pytest.fixture
+def no_load(monkeypatch):
+    loads = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loads.append(a))
+    return loads
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["precision=search", "precision.budget=2.9"], "below the smallest choice: every layer at 2 bits stores 3 "),
+        (["precision=search", "precision.budget=3.9", "precision.choices=[3,4]"], "every layer at 3 bits stores 4 "),
+        (["precision=search"], "precision.budget"),
+        (["precision=search", "precision.budget=4", "precision.choices=[5]"], "precision.choices"),
+        (["precision=search", "precision.budget=9", "format=fp8_e4m3"], "precision.choices"),
+        (["precision=file"], "precision.path"),
+        (["precision=file", "precision.path=/nonexistent.yaml"], "precision.path"),
+        (["precision=search", "precision.budget=4", "mode=recompute"], "mode=recompute"),
+        (["precision=uniform", "+precision.bugdet=3"], "precision.bugdet is not a precision setting"),
+    ],
+)
+def test_bad_settings_fail_before_load(tiny_model_dir, tmp_path, data_dir, no_load, overrides, match):
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + overrides
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(compose(args))
+    assert "\n" not in str(e.value) and not no_load
+
+
+def test_not_a_precision_file(tiny_model_dir, tmp_path, data_dir, no_load):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("key_bits: [2]\n")
+    with pytest.raises(ConfigError, match="not a precision file"):
+        validate(compose(tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=file", f"precision.path={bad}"]))
+
+
+def test_file_run_hashes_by_content(tmp_path):
+    """Two files with the same bits are one run; other bits are another."""
+    from kvq_lab.config import config_hash
+
+    a, b, c = (Path(tmp_path) / n for n in ("a.yaml", "b.yaml", "c.yaml"))
+    precision.write_file(a, [2, 4], [2, 2], {"note": "a"})
+    precision.write_file(b, [2, 4], [2, 2], {"note": "b"})
+    precision.write_file(c, [4, 2], [2, 2], {})
+    h = [config_hash(compose(["precision=file", f"precision.path={p}"])) for p in (a, b, c)]
+    assert h[0] == h[1] != h[2]
+    assert config_hash(compose([])) == config_hash(compose(["precision=uniform"]))
+
+
+def test_per_layer_specs_keep_the_run_settings():
+    base = CacheConfig(key=QuantSpec(2, 64, "token"), value=QuantSpec(2, 16, "channel"), mode="packed")
+    c = precision.per_layer(base, [4, 8], [3, 2]).for_layer(1)
+    assert c.key == QuantSpec(8, 64, "token") and c.value == QuantSpec(2, 16, "channel") and c.mode == "packed"
+
+
+def test_probes_read_each_layers_specs(model3):
+    """probe=true on a per-layer cache measures each layer with its own quantizers: 8-bit layers err far less than
+    the 2-bit one, and a uniform 2-bit cache errs alike on the layer the per-layer cache gives 2 bits."""
+    from kvq_lab.probes.probe import probe_model
+
+    ids = [torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))]
+    mixed = precision.per_layer(CacheConfig(), [8, 2, 8], [8, 2, 8])
+    per = probe_model(model3, ids, mixed).tables["attn_out"]["rel_fro"].mean(-1)  # [L]
+    uni = probe_model(model3, ids, CacheConfig()).tables["attn_out"]["rel_fro"].mean(-1)
+    assert per[0] < per[1] / 10 and per[2] < per[1] / 10
+    assert float(per[1]) == pytest.approx(float(uni[1]))
+
+
+def test_fitted_methods_refused(tiny_model_dir, tmp_path, data_dir, no_load):
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=search", "precision.budget=5", "key_format=nuq"]
+    with pytest.raises(ConfigError, match="key_format=nuq"):
+        validate(compose(args))
