@@ -28,9 +28,11 @@ in bits, so the frontier holds a few hundred entries), one item per (layer, tens
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from dataclasses import dataclass, replace
+import os
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +304,41 @@ def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[st
     return out
 
 
+def sensitivity_dir() -> Path:
+    return Path(os.environ.get("KVQ_PRECISION_CACHE", Path.home() / ".cache" / "kvq_lab" / "precision"))
+
+
+def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], model_id: Any, text: str):
+    """`sensitivities`, measured once per (model, quantizer settings, choices, text, code version) and kept in
+    $KVQ_PRECISION_CACHE (default ~/.cache/kvq_lab/precision): every budget of a sweep reads the same measurement.
+    -> (sensitivities, path of the cached file)."""
+    from kvq_lab.provenance import code_version
+
+    # what the measurement reads: the quantizers' settings but not their bits, the run's mode, window or backend
+    base = replace(cache, mode="simulated", residual_length=0, backend="auto", layers=())
+    base = replace(base, key=replace(base.key, bits=2), value=replace(base.value, bits=2))
+    what = {
+        "model": model_id,
+        "cache": asdict(base),
+        "choices": choices,
+        "tokens": int(ids.shape[1]),
+        "text": hashlib.sha256(text.encode()).hexdigest(),
+        "code": code_version(),
+    }
+    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = sensitivity_dir() / f"{key}.json"
+    if path.is_file():
+        raw = json.loads(path.read_text())
+        log.info("precision: sensitivities from %s", path)
+        return {t: {int(b): v for b, v in d.items()} for t, d in raw.items()}, path
+    sens = sensitivities(model, ids, cache, choices)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(sens))
+    tmp.replace(path)
+    return sens, path
+
+
 # -- search ----------------------------------------------------------------------------------------------------------
 def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] | None:
     """Exact multiple-choice knapsack: items[i] = [(cost, loss) per option]; pick one option per item minimizing the
@@ -342,13 +379,16 @@ def search(sens: dict[str, dict[int, list[float]]], costs: Costs, budget: float,
         low = costs.bits([min(choices)] * L, [min(choices)] * L)
         raise ConfigError(
             f"precision.budget={budget:g} cannot be met: every layer at {min(choices)} bits stores {low:.4g} bits per "
-            "element with this run's windows and sinks counted; raise the budget or lower residual_length"
+            "element with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); "
+            "raise the budget or lower residual_length"
         )
     bits = [choices[j] for j in picks]
     return bits[:L], bits[L:]
 
 
-def resolve(model, tok, cache: CacheConfig, cfg, data_dir: Path | None, run_dir: Path) -> CacheConfig:
+def resolve(
+    model, tok, cache: CacheConfig, cfg, data_dir: Path | None, run_dir: Path, model_id: Any = None
+) -> CacheConfig:
     """After the model loads: uniform -> `cache`; file -> `cache` (per-layer already, from `apply_file`) checked
     against the model's layer count; search -> the searched per-layer cache, written to run_dir/precision.yaml."""
     s = settings(cfg)
@@ -364,10 +404,13 @@ def resolve(model, tok, cache: CacheConfig, cfg, data_dir: Path | None, run_dir:
         return cache
     choices, T = s["choices"], s["tokens"]
     costs = measure_costs(model, cache, choices, T)
-    ids = tok(sensitivity_text(s, data_dir), return_tensors="pt", add_special_tokens=False).input_ids[:, :T]
+    text = sensitivity_text(s, data_dir)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :T]
     if ids.shape[1] < T:
         raise ConfigError(f"precision.source={s['source']} has {ids.shape[1]} tokens; lower precision.tokens={T}")
-    sens = sensitivities(model, ids.to(next(model.parameters()).device), cache, choices)
+    ids = ids.to(next(model.parameters()).device)
+    model_id = model_id if model_id is not None else getattr(model, "name_or_path", None)
+    sens, sens_path = cached_sensitivities(model, ids, cache, choices, model_id, text)
     key_bits, value_bits = search(sens, costs, s["budget"], choices)
     meta = {
         "budget": s["budget"],
@@ -378,6 +421,7 @@ def resolve(model, tok, cache: CacheConfig, cfg, data_dir: Path | None, run_dir:
         "source": s["source"],
         "cache": cache.label(),
         "sensitivity": {t: {str(b): v for b, v in d.items()} for t, d in sens.items()},
+        "sensitivity_cache": str(sens_path),
         "bytes": {"key": costs.key, "value": costs.value, "fixed_per_layer": costs.fixed},
     }
     write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)

@@ -203,7 +203,8 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         with timer("precision_s"):  # precision=search: per-layer key/value bits under a budget (kvq_lab.precision)
             from kvq_lab import precision
 
-            plan.cache = precision.resolve(model, tok, plan.cache, cfg, plan.data_dir, run_dir)
+            model_id = plan.inputs.get("model")
+            plan.cache = precision.resolve(model, tok, plan.cache, cfg, plan.data_dir, run_dir, model_id)
             record["cache_config"] = asdict(plan.cache)
         make_cache = cache_factory(plan, model)
         ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit, cache_config=plan.cache)

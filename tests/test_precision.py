@@ -18,6 +18,12 @@ from kvq_lab.config import ConfigError, validate
 from kvq_lab.quant.spec import QuantSpec
 
 
+@pytest.fixture(autouse=True)
+def own_sensitivity_cache(tmp_path, monkeypatch):
+    """Each test measures its sensitivities (the on-disk cache of a developer's runs is not read)."""
+    monkeypatch.setenv("KVQ_PRECISION_CACHE", str(tmp_path / "precision_cache"))
+
+
 def brute_force(items, capacity):
     best = None
     for picks in itertools.product(*[range(len(o)) for o in items]):
@@ -208,3 +214,16 @@ def test_fitted_methods_refused(tiny_model_dir, tmp_path, data_dir, no_load):
     args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=search", "precision.budget=5", "key_format=nuq"]
     with pytest.raises(ConfigError, match="key_format=nuq"):
         validate(compose(args))
+
+
+def test_sensitivities_measured_once_per_setting(model3, tok, data_dir, tmp_path, monkeypatch):
+    """A second budget reads the first search's measurement (same model, quantizer settings, text); other axes
+    measure again."""
+    calls = []
+    real = precision.sensitivities
+    monkeypatch.setattr(precision, "sensitivities", lambda *a: calls.append(1) or real(*a))
+    for budget, axis in ((12.0, "channel"), (14.0, "channel"), (14.0, "token")):
+        cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 8], "tokens": 64}})
+        base = CacheConfig(key=QuantSpec(2, 32, axis), value=QuantSpec(2, 32, "token"))
+        precision.resolve(model3, tok, base, cfg, data_dir, tmp_path, model_id="tiny")
+    assert len(calls) == 2
