@@ -272,3 +272,38 @@ def test_bits_count_everything_stored():
     assert tensor_bits(kivi, "key", 1024, 2, 64) == pytest.approx((132 * 16 + 892 * 3) / 1024)
     m = stored_bits(base)
     assert m["cache/bits_total"] == 3.0 and m["cache/bits_tokens"] == 1024
+
+
+# --- packed mode -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_packed_outliers_agree_with_simulated(S):
+    """Where both modes quantize the same tokens with the same groups (R = 0), the packed store (codes + sparse fp16
+    outliers in the model's dtype) reads back what simulated mode computes, bit for bit (the same mask, the same
+    quantizer call), and its bytes count every outlier (value + int32 index: 8 bytes in fp32); without outliers the
+    values differ."""
+    from kvq_lab.cache.base import PaddingState
+    from kvq_lab.cache.packed import PackedLayer
+    from kvq_lab.cache.simulated import SimulatedLayer
+
+    k, v = keys(21, spikes=0.01), keys(22, outlier_channels=(9,), gain=30.0)
+    th = fit_thresholds(keys(23, spikes=0.01), 0.01)
+    kw = dict(key_outliers=0.01, value_outliers=0.01, key_outlier_thresholds=th, sink_tokens=S)
+    kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
+    sim = SimulatedLayer(CacheConfig(kspec, vspec, **kw), None, PaddingState())
+    pk = PackedLayer(CacheConfig(kspec, vspec, mode="packed", backend="auto", **kw), None, PaddingState())
+    plain = PackedLayer(CacheConfig(kspec, vspec, mode="packed", sink_tokens=S, backend="torch"), None, PaddingState())
+    L = 64 + S
+    for layer in (sim, pk, plain):
+        layer.update(k[:, :, :L], v[:, :, :L])
+    for N in range(L, T):
+        ks, vs = sim.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        pk.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        plain.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    K, V = pk.materialize()
+    whole = S + (T - S) // 32 * 32
+    assert torch.equal(K[:, :, :whole], ks[:, :, :whole]) and torch.equal(V, vs)
+    assert not torch.equal(plain.materialize()[1], vs)
+    n_out = pk.k_stream.store.out_val.numel() + pk.v_stream.store.out_val.numel()
+    assert n_out > 0 and pk.nbytes()[0] - plain.nbytes()[0] == 8 * n_out

@@ -46,7 +46,7 @@ class CacheConfig:
     key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq),
         checked here against its bits (fp8: 8 only).
     key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
-        per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5); simulated mode.
+        per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5).
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
     layers: one config per decoder layer, fitted by calibration (`kvq_lab.calibration`: nuq codebooks as lut specs,
         fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
@@ -93,11 +93,6 @@ class CacheConfig:
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 0.5:
                 raise QuantConfigError(f"{name}={f!r} must be a fraction in [0, 0.5) (e.g. 0.01: 1% kept exact)")
             object.__setattr__(self, name, float(f))
-        if self.mode == "packed" and (self.key_outliers or self.value_outliers):
-            raise QuantConfigError(
-                "key_outliers/value_outliers apply to mode=simulated (the packed cache stores no sparse outliers "
-                "yet); set mode=simulated or the outlier fractions to 0"
-            )
         if self.key_outlier_thresholds is not None:
             object.__setattr__(self, "key_outlier_thresholds", tuple(map(float, self.key_outlier_thresholds)))
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -81,12 +81,15 @@ class PackedLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._args = (cfg, rope, padding)
         self.backend = get_backend(cfg.backend, (cfg.key, cfg.value))  # formats a kernel cannot read: torch
+        if cfg.outliers("key") is not None or cfg.outliers("value") is not None:
+            self.backend = get_backend("torch")  # sparse outliers: the PyTorch path reads the dequantized history
         self.fused = False  # set by `prepare_model` when the model's attention is routed through kvq_sdpa
         self.N = 0
         self.pads: list[int] = []
         self.sink_k = self.sink_v = None
-        self.k_stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, self.backend)
-        self.v_stream = make_stream(cfg.value, cfg.residual_length, cfg.sink_tokens, self.backend)
+        R, S = cfg.residual_length, cfg.sink_tokens
+        self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"))
+        self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"))
         self._pos: torch.Tensor | None = None  # position ids [B, N] (int32), kept for position-dependent transforms
 
     # -- hooks ---------------------------------------------------------------------------------------------------

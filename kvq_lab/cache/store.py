@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvq_lab.quant.outliers import Outliers
 from kvq_lab.quant.pack import BLOCK, word_layout
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
@@ -20,10 +21,18 @@ class PackedStore:
         are their own values. Shared with the format (read-only).
     Memory is allocated in whole blocks of BLOCK tokens (per-channel params: whole groups) as tokens arrive.
     `backend` (`kvq_lab.cache.backends`) quantizes what is written and dequantizes what is read.
+    outliers (`kvq_lab.quant.outliers.Outliers`, or None): dense-and-sparse; the elements its `mask` marks are kept out
+        of their group's statistics (code 0) and stored exactly beside the codes: `out_val` [K] in the model's dtype
+        (as sinks and windows are kept; fp16 models: 2 bytes) and `out_idx` int32 [K], the flat index
+        ((b * H + h) * T_max + t) * D + d (T_max = 2^31 // (B * H * D)); `dequantize` puts them back.
+        The same mask and quantizer call as simulated mode (`kvq_lab.quant.outliers.fake_quant`).
     """
 
-    def __init__(self, spec: QuantSpec, backend):
+    def __init__(self, spec: QuantSpec, backend, outliers: Outliers | None = None):
         self.spec = spec
+        self.outliers = outliers
+        self.out_val: torch.Tensor | None = None
+        self.out_idx: torch.Tensor | None = None
         self.format = code_format(spec)
         self.backend = backend
         self.codes: torch.Tensor | None = None
@@ -74,8 +83,27 @@ class PackedStore:
             raise ValueError(f"per-channel history is written in whole groups of {G}; got t0={t0}, n={n}")
         rows = rows if rows is not None else slice(None)
         self._reserve(t0 + n, x)
+        if self.outliers is not None:
+            out = self.outliers.mask(x)  # [b, H, n, D]: kept exact, out of the group statistics
+            if valid is not None:
+                out = out & valid.to(torch.bool)[..., None]  # padding is no outlier (valid: [b, 1, n])
+            self._keep_outliers(x, out, t0, rows)
+            valid = ~out if valid is None else ~out & valid.to(torch.bool)[..., None]
         self.backend.write(self, x, t0, valid, rows)
         self.length = max(self.length, t0 + n)
+
+    def _keep_outliers(self, x: torch.Tensor, mask: torch.Tensor, t0: int, rows: slice) -> None:
+        """Append the elements of x [b, H, n, D] under mask (same shape) to the sparse store, exactly (x's dtype)."""
+        B, H, D = self.dims
+        b, h, t, d = mask.nonzero(as_tuple=True)
+        b = b + (rows.start or 0)
+        t_max = (2**31 - 1) // (B * H * D)
+        if t0 + x.shape[2] > t_max:
+            raise ValueError(f"the sparse outlier index holds {t_max} tokens for batch {B}; got {t0 + x.shape[2]}")
+        idx = (((b * H + h) * t_max + t0 + t) * D + d).to(torch.int32)
+        val = x[mask]
+        self.out_idx = idx if self.out_idx is None else torch.cat([self.out_idx, idx])
+        self.out_val = val if self.out_val is None else torch.cat([self.out_val, val])
 
     def put(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, t0: int, rows: slice) -> None:
         """Store quantized positions [t0, t0 + n): codes uint8 [b, H, n, D] and their params in the reference's
@@ -115,13 +143,23 @@ class PackedStore:
         """fp32 [B, H, n, D]: table[code] * scale + zero, the reference's arithmetic (two roundings, no fma)."""
         if n == 0:
             return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
-        return self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
+        deq = self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
+        if self.out_idx is not None and self.out_idx.numel():
+            B, H, D = self.dims
+            t_max = (2**31 - 1) // (B * H * D)
+            i = self.out_idx.long()
+            d, rest = i % D, i // D
+            t, bh = rest % t_max, rest // t_max
+            sel = t < n
+            deq[bh[sel] // H, bh[sel] % H, t[sel], d[sel]] = self.out_val[sel].to(deq.dtype)
+        return deq
 
     def nbytes(self) -> int:
         """Codes and parameters as stored, plus the format's own table where it has one per tensor (lut's
         codebook: `format.table_bytes`; int and fp8 tables are fixed by the format's name and width)."""
         table = self.format.table_bytes if self.codes is not None else 0
-        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero)) + table
+        sparse = tensor_bytes(self.out_val) + tensor_bytes(self.out_idx)  # value (model dtype) + int32 index
+        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero)) + table + sparse
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:

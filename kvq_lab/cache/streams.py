@@ -45,12 +45,15 @@ class Stream(Protocol):
     def nbytes(self) -> int: ...
 
 
-def make_stream(spec: QuantSpec, residual_length: int, sink_tokens: int, backend) -> Stream:
-    """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill."""
+def make_stream(spec: QuantSpec, residual_length: int, sink_tokens: int, backend, outliers=None) -> Stream:
+    """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill.
+    outliers: dense-and-sparse elements kept exact in the store (`PackedStore`), or None."""
     if spec.is_identity:
         return ExactStream()
     cls = SlidingStream if spec.axis == "token" else FillStream
-    return cls(spec, residual_length, sink_tokens, backend)
+    stream = cls(spec, residual_length, sink_tokens, backend)
+    stream.store.outliers = outliers
+    return stream
 
 
 class _QuantizedStream(ABC):
@@ -90,7 +93,8 @@ class _QuantizedStream(ABC):
     def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
         q = self.n_quantized(N)
         st = self.store
-        deq = self.history(q, pads, rotate) if rotate is not None and q else None
+        # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers): dequantized here
+        deq = self.history(q, pads, rotate) if (rotate is not None or st.outliers is not None) and q else None
         return StreamView(
             sink, st.codes, st.scale, st.zero, q, self.window, max(0, N - self.S) - q,
             st.bits, self.spec.group_size, self.spec.axis, deq, st.table,

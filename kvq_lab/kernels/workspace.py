@@ -14,7 +14,9 @@ def workspace(name: str, numel: int, device, dtype=torch.float32) -> torch.Tenso
     page faults, per layer per step). Grows by doubling; callers own it until their next call with the same name."""
     buf = _WORKSPACE.get((name, device, dtype))
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: a buffer born in a task's inference mode would refuse
+            # the in-place writes of a later step outside it (one process, several runs or tests)
+            buf = torch.empty(max(numel, 2 * (0 if buf is None else buf.numel())), device=device, dtype=dtype)
         _WORKSPACE[(name, device, dtype)] = buf
     return buf[:numel]
 
@@ -23,5 +25,6 @@ def const(name: str, device, make) -> torch.Tensor:
     """Small constant tensors, built once per device by `make()` (avoids an allocation per decode step)."""
     key = (name, device)
     if key not in _CONST:
-        _CONST[key] = make().to(device)
+        with torch.inference_mode(False):  # as workspace: usable in and out of inference mode
+            _CONST[key] = make().to(device)
     return _CONST[key]

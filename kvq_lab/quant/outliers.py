@@ -17,8 +17,9 @@ Arithmetic (`fake_quant`): the group's codes and parameters come from the format
 (`valid = ~mask`: they do not enter min/max and get code 0), and the outliers are put back exactly:
 x' = where(mask, x, dequantize(quantize(x, valid=~mask))).
 
-Storage (`entry_bytes`): each outlier costs its fp16 value and an int32 index into the tensor, 6 bytes; the byte
-accounting (`kvq_lab.calibration.stored_bits`) counts `fraction` of the elements at that price.
+Storage: the packed cache (`kvq_lab.cache.store.PackedStore`) keeps each outlier's value in the model's dtype and an
+int32 index into the tensor; `entry_bytes` is the fp16-model price, 6 bytes, at which the byte accounting
+(`kvq_lab.cache.accounting`) counts `fraction` of the elements.
 """
 
 from __future__ import annotations
