@@ -219,6 +219,10 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         from kvq_lab.cache.accounting import stored_bits
 
         metrics.update(stored_bits(plan.cache, cfg, model.config))  # all stored: codebooks, outliers, windows, sinks
+        if plan.cache.mode == "recompute":  # one tensor, X: the K/V formulas do not apply; its nbytes() instead
+            n = int(metrics["cache/bits_tokens"])
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("cache/bits")}
+            metrics.update(precision.measured_bits(model, plan.cache, n))
     except RunInterrupted as e:
         progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
         record.update(

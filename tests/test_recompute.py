@@ -210,6 +210,9 @@ def test_run_ppl_end_to_end(tiny_model_dir, tmp_path, data_dir):
     key = next(k for k in rec if "ppl" in k)
     assert rec[key] == pytest.approx(pac[key], rel=1e-4)
     assert low[key] != pytest.approx(rec[key], rel=1e-3)
+    # bytes by nbytes(), not the K/V formulas: the tiny model's X (128 fp32) is as large as its fp16 K/V (2 x 2 x 64)
+    assert rec["cache/bits_total"] == 16.0 and "cache/bits_key" not in rec
+    assert low["cache/bits_total"] < 8.0
 
 
 @pytest.mark.slow

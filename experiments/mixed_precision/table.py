@@ -44,8 +44,7 @@ def main() -> None:
         prec = r["config"].get("precision") or {}
         name = prec.get("name", "uniform")
         budget = prec.get("budget") if name == "search" else None
-        if name == "file":  # CoQA rows rerun a searched file: name them by the budget it was searched under
-            budget = precision.read_file(prec["path"]).get("budget")
+        # CoQA rows rerun a searched file (precision=file): they join the searched row with the same bits
         key = (tuple(kb), tuple(vb))
         row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "folder": folder})
         row["budget"] = row["budget"] or budget
