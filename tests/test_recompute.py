@@ -234,3 +234,9 @@ def test_fitted_methods_refused_before_load(tiny_model_dir, tmp_path, data_dir, 
     args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=recompute", "format=nuq", "bits=4"]
     with pytest.raises(ConfigError, match="fitted on K/V"):
         validate(compose(args))
+
+
+def test_per_layer_configs_refused():
+    spec = QuantSpec(4)
+    with pytest.raises(QuantConfigError, match="per-layer"):
+        CacheConfig(key=spec, value=spec, mode="recompute", layers=(CacheConfig(key=spec, value=spec),))

@@ -124,10 +124,10 @@ class CacheConfig:
                 f"mode=recompute stores one tensor, X, with the key quantizer: the value quantizer ({v.short()}) must "
                 f"have the key's bits and format ({k.short()}); set bits= (and format=) for both"
             )
-        if self.key_transform or self.value_transform:
+        if self.key_transform or self.value_transform or self.layers:
             raise QuantConfigError(
                 "mode=recompute quantizes X before the projections: transforms (rope=pre, key_transform, "
-                "value_transform) do not apply; unset them"
+                "value_transform) and per-layer configs do not apply; unset them"
             )
 
     def check_head_dim(self, head_dim: int) -> None:
