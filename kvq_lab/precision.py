@@ -238,11 +238,11 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) ->
     text_cfg = model.config.get_text_config(decoder=True)
     H = text_cfg.num_key_value_heads
     D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    dtype = next(model.parameters()).dtype
+    w = next(model.parameters())
     R = cache.residual_length if cache.mode == "packed" else 0
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, H, tokens, D, generator=gen).to(dtype)
-    v = torch.randn(1, H, tokens, D, generator=gen).to(dtype)
+    k = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
+    v = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
     key, value, fixed = {}, {}, None
     for b in choices:
         c = replace(cache, mode="packed", residual_length=R, backend="torch", layers=())
