@@ -169,3 +169,18 @@ def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch)
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert any("_Kinnerq" in r for r in runs) and any("Kout0.01" in r for r in runs)
     assert Path(tmp_path / "runs").is_dir()
+
+
+def test_methods_experiment_rows_validate(data_dir):
+    """Every row of conf/experiment/methods.yaml validates for both of its tasks, and the rows are distinct caches."""
+    from kvq_lab.config import validate
+
+    exp = OmegaConf.load(Path(__file__).parent.parent / "conf" / "experiment" / "methods.yaml")
+    rows = str(exp.hydra.sweeper.params.quant).split(",")
+    labels = set()
+    for row in rows:
+        for task in ("ppl", "coqa_turns"):
+            plan = validate(compose(["experiment=methods", f"quant={row}", f"task={task}", f"data_dir={data_dir}"]))
+            assert plan.cache.mode == "packed" and plan.cache.residual_length == 128
+        labels.add(plan.cache.label())
+    assert len(labels) == len(rows) == 11

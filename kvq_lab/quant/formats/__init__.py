@@ -17,6 +17,7 @@ Registered formats (import `kvq_lab.quant.formats.builtin` to register them all)
     int               asymmetric uniform integer, today's arithmetic (`kvq_lab.quant.reference`), bits 1-4, 8
     fp8_e4m3/e5m2     8-bit float codes times a per-group absmax scale, no zero point
     lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
+    nuq               KVQuant's non-uniform codes: lut at 1-4 bits with a codebook fitted per layer (calibration)
 
 Adding a format
 ---------------
