@@ -240,3 +240,25 @@ def test_per_layer_configs_refused():
     spec = QuantSpec(4)
     with pytest.raises(QuantConfigError, match="per-layer"):
         CacheConfig(key=spec, value=spec, mode="recompute", layers=(CacheConfig(key=spec, value=spec),))
+
+
+def test_triton_takes_power_of_two_widths_only(tiny_model, monkeypatch):
+    """backend=triton with a width of X its kernels cannot tile fails when the cache is built; backend=auto (here
+    made to pick Triton) stores such an X on the PyTorch path and generates what backend=torch generates."""
+    import kvq_lab.cache.recompute as rc
+
+    real = rc.get_backend
+
+    def fake(name, specs=()):  # Triton's name without importing it (the interpreter is slow and not needed here)
+        b = real("torch")
+        return type("FakeTriton", (), {"name": "triton", **{k: getattr(b, k) for k in ("write", "dequantize")}})
+
+    monkeypatch.setattr(rc, "get_backend", lambda name, specs=(): fake(name) if name != "torch" else real("torch"))
+    with pytest.raises(RecomputeError, match="power-of-two"):
+        QuantizedKVCache.for_model(tiny_model, recompute_cfg(4, 48, backend="triton"))
+    auto = QuantizedKVCache.for_model(tiny_model, recompute_cfg(4, 48, backend="auto"))
+    assert all(layer.backend.name == "torch" for layer in auto.layers)
+    kept = QuantizedKVCache.for_model(tiny_model, recompute_cfg(4, 64, backend="auto"))
+    assert all(layer.backend.name == "triton" for layer in kept.layers)
+    ref = greedy(tiny_model, QuantizedKVCache.for_model(tiny_model, recompute_cfg(4, 48)))
+    assert torch.equal(greedy(tiny_model, auto), ref)

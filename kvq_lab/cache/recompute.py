@@ -28,6 +28,8 @@ Llama RoPE fails there, in one line, instead of generating from wrong keys).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -40,6 +42,7 @@ from .rope import position_ids_from
 from .store import tensor_bytes
 from .streams import make_stream
 
+log = logging.getLogger("kvq_lab")
 _HOOK = "_kvq_recompute_hook"  # attribute marking an attention module whose X is captured
 _PROJ = "_kvq_recompute_proj"  # per-module memo of projections by rank (an SVD per layer, once per model)
 
@@ -202,8 +205,25 @@ class RecomputeLayer(QuantizedLayerBase):
             raise RecomputeError(f"the model has {len(mods)} attention modules for {len(cache.layers)} cache layers")
         for attn, layer in zip(mods, cache.layers, strict=True):
             layer.proj = Projection.of(attn, cache.cfg.recompute_rank)
+            layer._fit_backend()
             if not hasattr(attn, _HOOK):
                 setattr(attn, _HOOK, attn.register_forward_pre_hook(_capture_x, with_kwargs=True))
+
+    def _fit_backend(self) -> None:
+        """The Triton kernels take power-of-two widths only: X's (SmolLM2: 576) or an odd rank go to the PyTorch
+        path under backend=auto (one warning), and fail here, before any token, under backend=triton."""
+        w, G = self.proj.width, self.cfg.key.group_size
+        if self.backend.name != "triton" or self.cfg.key.is_identity or not (w & (w - 1) or G & (G - 1)):
+            return
+        if self.cfg.backend == "triton":
+            raise RecomputeError(
+                f"backend=triton needs a power-of-two width of the cached X and group size (width {w}, G={G}); "
+                "use recompute.rank=<a power of two> or backend=torch"
+            )
+        if self.layer_idx == 0:
+            log.warning("mode=recompute: X's width %d is not a power of two; the PyTorch path stores it", w)
+        self.backend = get_backend("torch")
+        self.stream = make_stream(self.cfg.key, self.cfg.residual_length, self.cfg.sink_tokens, self.backend)
 
     def get_seq_length(self) -> int:
         return self.N
