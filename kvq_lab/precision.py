@@ -273,19 +273,71 @@ def sensitivity_text(s: dict[str, Any], data_dir: Path | None) -> str:
     return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
 
 
+class _Tail:
+    """Logits of ids [1, T] with decoder layers from `start` on run through a cache, the layers before `start` taken
+    from the exact run: in every measurement they are exact, so their output is the exact run's (a measurement at
+    layer l then costs L - l layers, about half on average). Used where the model is Llama-shaped (`model.model
+    .layers`, a forward taking `inputs_embeds` as is) and checked once against a whole forward; otherwise whole
+    forwards."""
+
+    def __init__(self, model, ids):
+        import torch
+
+        self.model, self.ids = model, ids
+        inner = getattr(model, "model", None)
+        self.layers = getattr(inner, "layers", None)
+        self.inputs: list = []
+        hooks = []
+        if isinstance(self.layers, torch.nn.ModuleList):
+            for layer in self.layers:
+                hooks.append(layer.register_forward_pre_hook(self._keep, with_kwargs=True))
+        try:
+            self.ref = model(ids).logits[0].float()  # [T, V]
+        finally:
+            for h in hooks:
+                h.remove()
+        self.ok = len(self.inputs) == len(self.layers or ()) and all(x is not None for x in self.inputs)
+        if self.ok:
+            mid = self.logits(len(self.inputs) // 2, None)
+            self.ok = bool(torch.allclose(mid, self.ref, rtol=1e-4, atol=1e-4 * float(self.ref.abs().max())))
+            if not self.ok:
+                log.info("precision: the model's forward from a middle layer differs; whole forwards instead")
+
+    def _keep(self, module, args, kwargs) -> None:
+        """Forward pre-hook of each decoder layer in the exact run: keep its input hidden states [1, T, d]."""
+        self.inputs.append(args[0] if args else kwargs.get("hidden_states"))
+
+    def logits(self, start: int, cache):
+        """[T, V] fp32: layers from `start` on through `cache` (None: exact)."""
+        import torch
+
+        from kvq_lab.models import cache_kwarg
+
+        kw = {} if cache is None else {cache_kwarg(): cache}
+        if not self.ok:
+            return self.model(self.ids, **kw).logits[0].float()
+        inner = self.model.model
+        inner.layers = torch.nn.ModuleList(list(self.layers)[start:])  # attention modules keep their layer_idx
+        try:
+            return self.model(inputs_embeds=self.inputs[start], **kw).logits[0].float()
+        finally:
+            inner.layers = self.layers
+
+
 def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[str, dict[int, list[float]]]:
     """{"key"|"value": {b: [KL per layer]}}: mean KL(p_fp || p_q) over the positions of ids [1, T] with one layer's
     keys (or values) fake-quantized at b bits and everything else exact (module docstring)."""
     import torch
 
     from kvq_lab.cache import QuantizedKVCache
-    from kvq_lab.models import cache_kwarg
 
     L = model.config.get_text_config(decoder=True).num_hidden_layers
     base = replace(cache, mode="simulated", residual_length=0, layers=())
     exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
     with torch.inference_mode():
-        ref = torch.log_softmax(model(ids).logits[0].float(), -1)  # [T, V]
+        tail = _Tail(model, ids)
+        ref = torch.log_softmax(tail.ref, -1)  # [T, V]
+        p = ref.exp()
         out: dict[str, dict[int, list[float]]] = {"key": {}, "value": {}}
         for tensor in ("key", "value"):
             for b in choices:
@@ -296,9 +348,8 @@ def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[st
                         continue
                     one = replace(exact, **{tensor: replace(getattr(base, tensor), bits=b)})
                     cfg = replace(exact, layers=tuple(one if j == i else exact for j in range(L)))
-                    cache_i = QuantizedKVCache.for_model(model, cfg)
-                    logp = torch.log_softmax(model(ids, **{cache_kwarg(): cache_i}).logits[0].float(), -1)
-                    kls.append(float((ref.exp() * (ref - logp)).sum(-1).mean()))
+                    logp = torch.log_softmax(tail.logits(i, QuantizedKVCache.for_model(model, cfg)), -1)
+                    kls.append(float((p * (ref - logp)).sum(-1).mean()))
                 out[tensor][b] = kls
                 log.info("precision: %s %d-bit KL per layer %s", tensor, b, " ".join(f"{x:.3g}" for x in kls))
     return out

@@ -227,3 +227,22 @@ def test_sensitivities_measured_once_per_setting(model3, tok, data_dir, tmp_path
         base = CacheConfig(key=QuantSpec(2, 32, axis), value=QuantSpec(2, 32, "token"))
         precision.resolve(model3, tok, base, cfg, data_dir, tmp_path, model_id="tiny")
     assert len(calls) == 2
+
+
+def test_tail_forward_measures_what_whole_forwards_measure(model3, monkeypatch):
+    """The sensitivities skip the exact layers before the quantized one; whole forwards give the same KLs, and the
+    KLs are not all alike (the check can fail)."""
+    ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
+    fast = precision.sensitivities(model3, ids, CacheConfig(), [2, 4])
+    monkeypatch.setattr(precision._Tail, "logits", lambda self, start, cache: whole(self, cache))
+
+    def whole(self, cache):
+        from kvq_lab.models import cache_kwarg
+
+        return self.model(self.ids, **{cache_kwarg(): cache}).logits[0].float()
+
+    slow = precision.sensitivities(model3, ids, CacheConfig(), [2, 4])
+    for t in ("key", "value"):
+        for b in (2, 4):
+            assert fast[t][b] == pytest.approx(slow[t][b], rel=1e-3, abs=1e-6)
+    assert len({round(x, 6) for x in fast["key"][2]}) == 3
