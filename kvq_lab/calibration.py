@@ -188,7 +188,12 @@ def capture(model, ids, chunk: int) -> list[dict[str, Any]]:
     text_cfg = model.config.get_text_config(decoder=True)
     H = text_cfg.num_key_value_heads
     D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    layers = model.model.layers
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or not all(hasattr(m.self_attn, "k_proj") and hasattr(m.self_attn, "v_proj") for m in layers):
+        raise ValueError(
+            f"calibration reads k_proj/v_proj of model.model.layers[i].self_attn (Llama-style); "
+            f"{type(model).__name__} has another layout"
+        )
     live: list[tuple[int, str, torch.Tensor]] = []
 
     def hook(i, name):
