@@ -10,10 +10,11 @@ of `precision.tokens` tokens of text (`precision.source`, GSM8K train by default
 layer's keys (or values) fake-quantized at b bits (simulated mode, every token quantized, the run's axes, group
 size, format, transforms and sinks) and everything else exact. Why KL and not the probes' per-layer attention-output
 error: the probes measure each layer in its own units (a relative error at layer 0 and at layer 29 do not cost the
-same), and ignore how the error propagates through the later layers; the logit KL is in the units of the loss the
-tasks respond to (decode perplexity is exp of NLL, and NLL - NLL_fp ~ KL to first order), and it measures the
-whole path. The cost is 2 L |choices| forward passes of the text (SmolLM2, 30 layers, 4 choices, 512 tokens:
-~2 minutes on one CPU core). The search assumes the per-(layer, tensor) KLs add up, which holds to first order for
+same), and ignore how the error propagates through the later layers; the logit KL measures the change of the
+next-token distribution itself, what decode perplexity (exp of the mean NLL) and generation read, through the whole
+path. The cost is 2 L |choices| forward passes of the text, each from the quantized layer on (the layers before it
+are exact, their output is kept from one exact run); measured once per model, quantizer settings and text and kept
+on disk, so a sweep over budgets measures once. The search assumes the per-(layer, tensor) KLs add up, which holds for
 small perturbations; it is tested end to end by the mixed-precision experiment, not assumed to be exact.
 
 Bytes, "everything counted as `nbytes()` counts": one packed-cache layer with the run's residual window, sinks,

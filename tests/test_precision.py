@@ -246,3 +246,27 @@ def test_tail_forward_measures_what_whole_forwards_measure(model3, monkeypatch):
         for b in (2, 4):
             assert fast[t][b] == pytest.approx(slow[t][b], rel=1e-3, abs=1e-6)
     assert len({round(x, 6) for x in fast["key"][2]}) == 3
+
+
+@pytest.mark.slow
+def test_smollm2_search_respects_budget(smol, data_dir, tmp_path):
+    """On the real model: the searched cache stores at most the budget by nbytes(), and the key bits go where the
+    KL says (the layer whose 2-bit keys cost the most KL gets 8 bits whenever any layer does)."""
+    model, tok = smol
+    T = 128
+    base = CacheConfig(mode="packed")
+    costs = precision.measure_costs(model, base, [2, 8], T)
+    budget = costs.bits([2] * 30, [2] * 30) + 1.0
+    cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 8], "tokens": T}})
+    out = precision.resolve(model, tok, base, cfg, data_dir, tmp_path)
+    kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
+    cache = QuantizedKVCache.for_model(model, out)
+    with torch.no_grad():
+        model(torch.randint(3, 1000, (1, T)), past_key_values=cache)
+    nb = cache.nbytes()
+    assert 8 * nb["stored"] / (nb["fp16"] / 2) <= budget
+    sens = precision.read_file(str(tmp_path / "precision.yaml"))["sensitivity"]["key"]
+    gain = [sens["2"][i] - sens["8"][i] for i in range(30)]  # every key upgrade costs the same bytes
+    if 8 in kb:
+        assert kb[max(range(30), key=lambda i: gain[i])] == 8
+    assert 8 in kb + vb
