@@ -184,3 +184,25 @@ def test_methods_experiment_rows_validate(data_dir):
             assert plan.cache.mode == "packed" and plan.cache.residual_length == 128
         labels.add(plan.cache.label())
     assert len(labels) == len(rows) == 11
+
+
+@pytest.mark.slow
+def test_calibration_on_smollm2(smol, tmp_path, monkeypatch, data_dir):
+    """The real model: GSM8K-train calibration fits a valid lut codebook per layer and tensor, each its own (neither
+    int's even grid nor NormalFloat), and the fitted cache decodes finite logits that pick the 16-bit token."""
+    model, tok = smol
+    monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path))
+    method = CacheConfig(QuantSpec(3, 32, "channel", "nuq"), QuantSpec(3, 32, "token", "nuq"), rope="pre")
+    f = C.calibrate(model, tok, method, settings(tokens=256, chunk=256), data_dir, "smol")
+    books = {lc.key.codebook for lc in f.layers} | {lc.value.codebook for lc in f.layers}
+    assert len(books) == 2 * model.config.num_hidden_layers
+    even = torch.arange(8) / 7
+    for cb in books:
+        assert cb[0] == 0 and cb[-1] == 1 and (torch.tensor(cb) - even).abs().max() > 0.01
+    ids = tok("Question: what is two plus two? Answer:", return_tensors="pt").input_ids
+    from kvq_lab.cache import QuantizedKVCache
+
+    with torch.no_grad():
+        a = model(ids, past_key_values=QuantizedKVCache.for_model(model, f)).logits[0, -1]
+        b = model(ids).logits[0, -1]
+    assert torch.isfinite(a).all() and a.argmax() == b.argmax()
