@@ -126,6 +126,12 @@ def check_calibration(cfg, cache: CacheConfig) -> None:
             )
 
 
+def data_dir_from_env() -> Path | None:
+    """$KVQ_DATA_DIR as a folder, for callers without a run config (lm-eval's `--model kvq`)."""
+    d = os.environ.get("KVQ_DATA_DIR")
+    return Path(d).expanduser() if d else None
+
+
 # -- text ----------------------------------------------------------------------------------------------------------
 def calibration_text(s: dict[str, Any], data_dir: Path | None) -> tuple[str, str]:
     """(text, sha256 of the text) of the calibration source; coqa_stories: the whole stories text (its tail is used)."""

@@ -87,6 +87,10 @@ class KvqLM(QuantCacheLM):
         name = check_model(cfg)
         check_device(cfg, cache)
         model, tok = load_model(name, dtype=dtype, device=device)
+        from kvq_lab.calibration import calibrate, data_dir_from_env
+
+        # fitted methods (nuq, outliers, innerq, rotatekv): calibration's defaults (GSM8K train), as run.py fits them
+        cache = calibrate(model, tok, cache, OmegaConf.create({}), data_dir_from_env(), name)
         QuantizedKVCache.for_model(model, cache)  # fail now (e.g. group size vs head dim), not at the first generate
         super().__init__(
             model,

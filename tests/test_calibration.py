@@ -206,3 +206,16 @@ def test_calibration_on_smollm2(smol, tmp_path, monkeypatch, data_dir):
         a = model(ids, past_key_values=QuantizedKVCache.for_model(model, f)).logits[0, -1]
         b = model(ids).logits[0, -1]
     assert torch.isfinite(a).all() and a.argmax() == b.argmax()
+
+
+def test_lm_eval_kvq_model_calibrates_fitted_methods(tiny_model_dir, tmp_path, monkeypatch, data_dir):
+    """lm-eval's `--model kvq` fits what run.py fits (calibration's defaults, GSM8K train from $KVQ_DATA_DIR): a
+    fitted method never runs with unfitted parameters there either."""
+    from lm_eval.api.registry import get_model
+
+    monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVQ_DATA_DIR", str(data_dir))
+    lm = get_model("kvq").create_from_arg_string(f"pretrained={tiny_model_dir},key_transform=innerq,key_axis=token")
+    assert len(lm.cache_config.layers) == 2 and lm.cache_config.for_layer(0).key_transform[0].startswith("innerq@")
+    plain = get_model("kvq").create_from_arg_string(f"pretrained={tiny_model_dir}")
+    assert plain.cache_config.layers == ()
