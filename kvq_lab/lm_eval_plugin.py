@@ -2,41 +2,45 @@
 
 lm-eval 0.4.x discovers no out-of-tree models (no entry-point group), so its `lm_eval` command knows `kvq` only if
 `kvq` is in its model registry before the command looks the name up. `python -m kvq_lab.lm_eval_plugin register`
-(scripts/setup.sh runs it) writes a one-line `kvq_lab_lm_eval.pth` into the environment's site-packages. Python runs
-that line at startup: it puts a finder on `sys.meta_path` that waits for `lm_eval.models` to be imported (lm-eval does
-so when it first looks up a model) and then registers `kvq` as a lazy placeholder (`kvq_lab.lmeval:KvqLM`). Nothing of
-kvq_lab, lm-eval or torch is imported at startup; kvq_lab.lmeval (and torch) load only when `--model kvq` is used.
-`python -m kvq_lab.lm_eval_plugin unregister` removes the file.
+(scripts/setup.sh runs it) writes two files into the environment's site-packages: a small standalone module
+`kvq_lab_lm_eval_hook.py` (the text of `HOOK` below) and a one-line `kvq_lab_lm_eval.pth` that imports it. Python
+runs the .pth line at startup: the hook puts a finder on `sys.meta_path` that waits for `lm_eval.models` to be
+imported (lm-eval does so when it first looks up a model) and then registers `kvq` as a lazy placeholder
+(`kvq_lab.lmeval:KvqLM`). Nothing of kvq_lab, lm-eval or torch is imported at startup (importing the kvq_lab package
+there would pin it to the installed checkout for every script, even one run from another clone or worktree);
+kvq_lab.lmeval loads, from whatever kvq_lab the command's sys.path finds, only when `--model kvq` is used.
+`python -m kvq_lab.lm_eval_plugin unregister` removes both files.
 
     lm_eval run --model kvq --model_args pretrained=smollm2-135m,key_axis=channel,value_axis=token,bits=2 \
         --tasks coqa_turns --include_path kvq_lab/eval/tasks --limit 20
 
-Without the file, `kvq-lm-eval` (the same command with kvq_lab.lmeval imported first) still works.
+Without the files, `kvq-lm-eval` (the same command with kvq_lab.lmeval imported first) still works.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import sysconfig
 from pathlib import Path
 
 PTH_NAME = "kvq_lab_lm_eval.pth"
-PTH_LINE = "import kvq_lab.lm_eval_plugin as _kvq; _kvq.install()\n"
-TARGET = "kvq_lab.lmeval:KvqLM"
+HOOK_NAME = "kvq_lab_lm_eval_hook"
+PTH_LINE = f"import {HOOK_NAME}\n"
+HOOK = '''"""Registers kvq_lab\'s `kvq` model with lm-eval once lm_eval.models is imported (written by
+`python -m kvq_lab.lm_eval_plugin register`; see kvq_lab/lm_eval_plugin.py). Imports only the standard library."""
+import importlib.abc
+import importlib.machinery
+import sys
 
 
-def _register_placeholder() -> None:
+def _register():
     from lm_eval.api.registry import model_registry
 
     if "kvq" not in model_registry.keys():
-        model_registry.register("kvq", target=TARGET)
+        model_registry.register("kvq", target="kvq_lab.lmeval:KvqLM")
 
 
 class _AfterLmEvalModels(importlib.abc.MetaPathFinder):
-    """Finds `lm_eval.models` as Python would, and registers `kvq` right after that module has run."""
-
     def find_spec(self, fullname, path, target=None):
         if fullname != "lm_eval.models":
             return None
@@ -47,18 +51,17 @@ class _AfterLmEvalModels(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            _register_placeholder()
+            _register()
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-def install() -> None:
-    """Register `kvq` once lm-eval's model registry exists (now, if lm_eval.models is already imported)."""
-    if "lm_eval.models" in sys.modules:
-        _register_placeholder()
-    elif not any(isinstance(f, _AfterLmEvalModels) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterLmEvalModels())
+if "lm_eval.models" in sys.modules:
+    _register()
+elif not any(type(f).__name__ == "_AfterLmEvalModels" for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterLmEvalModels())
+'''
 
 
 def site_dir() -> Path:
@@ -67,14 +70,19 @@ def site_dir() -> Path:
 
 
 def register(where: Path | None = None) -> Path:
-    """Write the .pth file into `where` (default: this environment's site-packages) -> its path."""
-    path = Path(where or site_dir()) / PTH_NAME
+    """Write the hook module and the .pth file into `where` (default: this environment's site-packages) -> the
+    .pth file's path."""
+    where = Path(where or site_dir())
+    (where / f"{HOOK_NAME}.py").write_text(HOOK)
+    path = where / PTH_NAME
     path.write_text(PTH_LINE)
     return path
 
 
 def unregister(where: Path | None = None) -> Path:
-    path = Path(where or site_dir()) / PTH_NAME
+    where = Path(where or site_dir())
+    (where / f"{HOOK_NAME}.py").unlink(missing_ok=True)
+    path = where / PTH_NAME
     path.unlink(missing_ok=True)
     return path
 

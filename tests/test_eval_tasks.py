@@ -354,8 +354,9 @@ def _with_plugin(site: Path, code: str) -> list[str]:
 
 
 def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
-    """The .pth line that `python -m kvq_lab.lm_eval_plugin register` installs: Python starts without importing
-    kvq_lab.lmeval, lm-eval or torch, and lm-eval's registry then resolves `kvq` to KvqLM."""
+    """The .pth line and hook module that `python -m kvq_lab.lm_eval_plugin register` installs: Python starts
+    without importing kvq_lab (which would pin the package to the installed checkout for scripts run from another
+    clone), lm-eval or torch, and lm-eval's registry then resolves `kvq` to KvqLM."""
     import subprocess
 
     from kvq_lab import lm_eval_plugin
@@ -363,14 +364,14 @@ def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
     pth = lm_eval_plugin.register(tmp_path)
     assert pth.read_text() == lm_eval_plugin.PTH_LINE
     code = (
-        "heavy = [m for m in ('kvq_lab.lmeval', 'lm_eval', 'torch') if m in sys.modules]; "
+        "heavy = [m for m in ('kvq_lab', 'lm_eval', 'torch') if m in sys.modules]; "
         "from lm_eval.api.registry import get_model; print(heavy, get_model('kvq').__module__)"
     )
     out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "kvq_lab.lmeval"]
     lm_eval_plugin.unregister(tmp_path)
-    assert not pth.exists()
+    assert not any(tmp_path.iterdir())
     out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "Attempted to load model 'kvq'" in out.stderr  # and without it, it is unknown
 
