@@ -15,7 +15,7 @@ from helpers_models import compose, poisoned_model_dir, tiny_args
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.config import ConfigError, validate
-from kvq_lab.eval.lm_tasks import TASK_DIR
+from kvq_lab.eval.harness import TASK_DIR
 from kvq_lab.eval.ppl import decode_nll, make_windows
 from kvq_lab.plugins import TASKS
 from kvq_lab.quant.spec import QuantSpec

@@ -14,34 +14,9 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from pathlib import Path
 
-TASK_DIR = Path(__file__).parent / "tasks"
-_MANAGERS: dict[tuple[str, ...], object] = {}
-
-
-def task_manager(include_path: list[str] | tuple[str, ...] = (), names: list[str] | tuple[str, ...] = ()):
-    """lm-eval's TaskManager over its own tasks, ours and `include_path`, memoized per folder set. When every name
-    in `names` is one of ours and there is no include_path, lm-eval's own index is skipped (milliseconds instead of
-    ~20 s a run)."""
-    defaults = bool(include_path) or not names or not set(names) <= our_task_names()
-    key = (defaults, str(TASK_DIR), *map(str, include_path))
-    if key not in _MANAGERS:
-        from lm_eval.tasks import TaskManager
-
-        _MANAGERS[key] = TaskManager(include_path=list(key[1:]), include_defaults=defaults)
-    return _MANAGERS[key]
-
-
-def our_task_names() -> set[str]:
-    """The `task:` names of our YAMLs (kvq_lab/eval/tasks), read without lm-eval: names among them need no index."""
-    names = set()
-    for f in TASK_DIR.rglob("*.yaml"):
-        m = re.search(r"^task:\s*([\w.-]+)\s*$", f.read_text(), flags=re.M)
-        if m:
-            names.add(m.group(1))
-    return names
+from .harness import our_task_names, seeded_evaluate, task_manager
 
 
 def check_tasks(names: list[str], include_path: list[str] | tuple[str, ...] = ()) -> None:
@@ -88,7 +63,6 @@ def run_tasks(
     prefix_reuse: bool = True,
 ) -> tuple[dict[str, float], list[dict]]:
     """-> (flat metrics, per-sample records with the response). Every generate call gets `make_cache()`."""
-    from .harness import seeded_evaluate
     from .lm import QuantCacheLM
 
     lm = QuantCacheLM(model, tokenizer, make_cache, batch_size=batch_size, max_length=None, prefix_reuse=prefix_reuse)
