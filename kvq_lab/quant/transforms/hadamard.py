@@ -32,6 +32,16 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def block_arg(name: str, arg: str, example: int, hint: str = "") -> int:
+    """The block size n of a `name:n` spelling (hadamard, rotatekv): a power of two >= 2, else one line saying so."""
+    n = int(arg) if arg.isdigit() else 0
+    if not _is_pow2(n) or n < 2:
+        raise QuantConfigError(
+            f"{name}:{arg} has a block that is not a power of two >= 2 (e.g. {name}:{example}){hint}"
+        )
+    return n
+
+
 def fwht(x, n: int):
     """Unnormalized Walsh-Hadamard transform (Sylvester order) of each block of n channels: x [..., D] fp32,
     D a multiple of n -> [..., D] fp32 = x H_n blockwise."""
@@ -73,13 +83,7 @@ class Hadamard(Transform):
     def parse(cls, arg):
         if arg is None:
             return cls()
-        n = int(arg) if arg.isdigit() else 0
-        if not _is_pow2(n) or n < 2:
-            raise QuantConfigError(
-                f"hadamard:{arg} has a block that is not a power of two >= 2 (e.g. hadamard:32); write hadamard "
-                "alone to rotate the whole head dim"
-            )
-        return cls(n)
+        return cls(block_arg("hadamard", arg, 32, "; write hadamard alone to rotate the whole head dim"))
 
     @property
     def spelling(self) -> str:

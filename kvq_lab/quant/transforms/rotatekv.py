@@ -25,7 +25,7 @@ from typing import Any
 
 from kvq_lab.quant.spec import QuantConfigError
 from kvq_lab.quant.transforms import Transform, register_fitted, register_transform
-from kvq_lab.quant.transforms.hadamard import _is_pow2, fwht
+from kvq_lab.quant.transforms.hadamard import _is_pow2, block_arg, fwht
 from kvq_lab.quant.transforms.innerq import digest, per_head
 
 
@@ -58,10 +58,7 @@ class RotateKV(Transform):
     def parse(cls, arg):
         if arg is None:
             return cls()
-        n = int(arg) if arg.isdigit() else 0
-        if not _is_pow2(n) or n < 2:
-            raise QuantConfigError(f"rotatekv:{arg} has a block that is not a power of two >= 2 (e.g. rotatekv:16)")
-        return cls(n)
+        return cls(block_arg("rotatekv", arg, 16))
 
     def fit(self, x) -> RotateKV:
         """Fitted on x [B, H, T, D] as this transform sees it: each head's channels ranked by RMS over B, T, dealt to
