@@ -89,14 +89,14 @@ class QuantCacheLM(HFLM):
         at `fresh.prefix_boundary`, `MARGIN` tokens or more before the end), or `fresh` itself.
         The checkpoint follows the prompt: restarted from `fresh` when the prompt does not extend it, else filled
         up to the new cut."""
-        cut_of = getattr(fresh, "prefix_boundary", None)
         ids = context[0].tolist()
-        if cut_of is None or cut_of(len(ids) - self.MARGIN) <= 0:
+        cut_of = getattr(fresh, "prefix_boundary", None)
+        cut = 0 if cut_of is None else cut_of(len(ids) - self.MARGIN)
+        if cut <= 0:
             return fresh
         held, cache = self._checkpoint or ([], None)
         if cache is None or len(held) >= len(ids) or ids[: len(held)] != held:
             held, cache = [], fresh
-        cut = cut_of(len(ids) - self.MARGIN)
         if cut > len(held):
             kwargs = {self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}
             self.model(input_ids=context[:, len(held) : cut], **kwargs)
