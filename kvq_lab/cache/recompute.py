@@ -39,6 +39,7 @@ from kvq_lab.quant.transforms.rope_pre import rotate
 from .backends import get_backend
 from .base import QuantizedLayerBase, register_layer
 from .rope import position_ids_from
+from .rows import left_padded_sinks
 from .store import tensor_bytes
 from .streams import make_stream
 
@@ -266,18 +267,9 @@ class RecomputeLayer(QuantizedLayerBase):
         return self.rebuild()
 
     def _prefill(self, z: torch.Tensor) -> None:
-        B, _, N, r = z.shape
-        S = self.cfg.sink_tokens
-        real = self.padding.valid(B, N) if self.padding is not None else None
-        if real is not None:
-            if not bool((real[:, 1:] >= real[:, :-1]).all()):
-                raise ValueError("the recompute cache supports left padding only (attention mask 0...0 1...1 per row)")
-            self.pads = (N - real.sum(1)).tolist()
-        else:
-            self.pads = [0] * B
-        self.N = N
-        idx = (torch.tensor(self.pads, device=z.device)[:, None] + torch.arange(S, device=z.device)).clamp(max=N - 1)
-        self.sink = z.gather(2, idx[:, None, :, None].expand(B, 1, S, r))
+        """z [B, 1, N, r]: the prefill's Z; pads and exact sinks laid out as the packed cache lays them out."""
+        self.pads, (self.sink,) = left_padded_sinks(self.padding, self.cfg.sink_tokens, z, what="the recompute cache")
+        self.N = z.shape[2]
         self.stream.prefill(z, self.pads)
 
     def _step(self, z: torch.Tensor) -> None:
