@@ -202,10 +202,10 @@ def _uniform_cache_config(cfg: DictConfig) -> CacheConfig:
 
 def cache_config(cfg: DictConfig) -> CacheConfig:
     """The cache the run asks for, from the top-level knobs (validated, one-line errors); precision=file gives it
-    the file's per-layer key/value bits (`kvq_lab.precision`)."""
-    from kvq_lab import precision
+    the file's per-layer key/value bits (`kvq_lab.precision_config`)."""
+    from kvq_lab import precision_config
 
-    return precision.apply_file(cfg, _uniform_cache_config(cfg))
+    return precision_config.apply_file(cfg, _uniform_cache_config(cfg))
 
 
 def _recompute_rank(cfg: DictConfig) -> int | None:
@@ -295,9 +295,9 @@ def config_hash(cfg: DictConfig, cache: CacheConfig | None = None) -> str:
     for k in (*where, *CACHE_KNOBS):
         c.pop(k, None)
     c.pop("recompute", None)  # in the cache config (recompute_rank)
-    from kvq_lab import precision
+    from kvq_lab import precision_config
 
-    c["precision"] = precision.hash_part(cfg)  # per-layer bits by content; uniform: left out, older hashes stay
+    c["precision"] = precision_config.hash_part(cfg)  # per-layer bits by content; uniform: left out (old hashes)
     if c["precision"] is None:
         del c["precision"]
     cache = cache if cache is not None else cache_config(cfg)
@@ -322,9 +322,9 @@ def validate(cfg: DictConfig) -> RunPlan:
         raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
     cache = cache_config(cfg)
     check_device(cfg, cache)
-    from kvq_lab import precision
+    from kvq_lab import precision_config
 
-    precision.check(cfg, cache)  # per-layer bits: settings, a budget the smallest choice meets, a mode with K and V
+    precision_config.check(cfg, cache)  # per-layer bits: settings, a budget the smallest choice meets, a K/V mode
     from kvq_lab.calibration import check_calibration
 
     check_calibration(cfg, cache)  # fitted methods: their calibration text exists and is not the evaluated one

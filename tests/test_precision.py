@@ -1,5 +1,6 @@
-"""Layer-wise mixed precision (kvq_lab/precision.py): the knapsack is exact, the budget holds as nbytes() counts it,
-the saved file reruns the same metrics, bad settings fail in one line before the model loads."""
+"""Layer-wise mixed precision (kvq_lab/precision.py, the search; kvq_lab/precision_config.py, settings and file): the
+knapsack is exact, the budget holds as nbytes() counts it, the saved file reruns the same metrics, bad settings fail
+in one line before the model loads, the sensitivity text is calibration's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from helpers_models import compose, tiny_args
 from omegaconf import OmegaConf
 
-from kvq_lab import precision
+from kvq_lab import precision, precision_config
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.config import ConfigError, validate
 from kvq_lab.quant.spec import QuantSpec
@@ -96,7 +97,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     out = precision.resolve(model3, tok, base, cfg, data_dir, tmp_path)
     kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
     assert kb + vb != [2] * (2 * L)  # room to upgrade was used
-    packed = precision.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S), kb, vb)
+    packed = precision_config.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S), kb, vb)
     cache = QuantizedKVCache.for_model(model3, packed)
     with torch.no_grad():
         model3(torch.randint(3, 1000, (1, T)), past_key_values=cache)
@@ -118,7 +119,7 @@ def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
     ppl = next(k for k in searched if "ppl" in k)
     assert again[ppl] == searched[ppl]
     assert again["precision/bits_stored"] == searched["precision/bits_stored"] <= 13.5
-    d = precision.read_file(str(files[0]))
+    d = precision_config.read_file(str(files[0]))
     assert (d["key_bits"], d["value_bits"]) != ([2, 2], [2, 2])  # pair: the file's bits are not the uniform run's
     uniform = run(compose(args[:-1]))
     assert uniform[ppl] != again[ppl]
@@ -126,9 +127,9 @@ def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
 
 def test_file_with_other_layer_count_fails_in_one_line(model3, tok, tmp_path):
     path = tmp_path / "p.yaml"
-    precision.write_file(path, [2, 4], [2, 2], {})
+    precision_config.write_file(path, [2, 4], [2, 2], {})
     cfg = OmegaConf.create({"precision": {"name": "file", "path": str(path)}})
-    cache = precision.apply_file(cfg, CacheConfig())
+    cache = precision_config.apply_file(cfg, CacheConfig())
     assert [c.key.bits for c in cache.layers] == [2, 4]
     with pytest.raises(ConfigError, match="gives 2 layers but the model has 3") as e:
         precision.resolve(model3, tok, cache, cfg, None, tmp_path)
@@ -138,7 +139,9 @@ def test_file_with_other_layer_count_fails_in_one_line(model3, tok, tmp_path):
 def test_layers_read_their_own_specs(model3):
     """Every layer type reads its specs through CacheConfig.for_layer: a per-layer cache's layers hold them."""
     for mode in ("simulated", "packed"):
-        cache = QuantizedKVCache.for_model(model3, precision.per_layer(CacheConfig(mode=mode), [2, 4, 8], [8, 4, 2]))
+        cache = QuantizedKVCache.for_model(
+            model3, precision_config.per_layer(CacheConfig(mode=mode), [2, 4, 8], [8, 4, 2])
+        )
         assert [(ly.cfg.key.bits, ly.cfg.value.bits) for ly in cache.layers] == [(2, 8), (4, 4), (8, 2)]
 
 
@@ -183,9 +186,9 @@ def test_file_run_hashes_by_content(tmp_path):
     from kvq_lab.config import config_hash
 
     a, b, c = (Path(tmp_path) / n for n in ("a.yaml", "b.yaml", "c.yaml"))
-    precision.write_file(a, [2, 4], [2, 2], {"note": "a"})
-    precision.write_file(b, [2, 4], [2, 2], {"note": "b"})
-    precision.write_file(c, [4, 2], [2, 2], {})
+    precision_config.write_file(a, [2, 4], [2, 2], {"note": "a"})
+    precision_config.write_file(b, [2, 4], [2, 2], {"note": "b"})
+    precision_config.write_file(c, [4, 2], [2, 2], {})
     h = [config_hash(compose(["precision=file", f"precision.path={p}"])) for p in (a, b, c)]
     assert h[0] == h[1] != h[2]
     assert config_hash(compose([])) == config_hash(compose(["precision=uniform"]))
@@ -193,7 +196,7 @@ def test_file_run_hashes_by_content(tmp_path):
 
 def test_per_layer_specs_keep_the_run_settings():
     base = CacheConfig(key=QuantSpec(2, 64, "token"), value=QuantSpec(2, 16, "channel"), mode="packed")
-    c = precision.per_layer(base, [4, 8], [3, 2]).for_layer(1)
+    c = precision_config.per_layer(base, [4, 8], [3, 2]).for_layer(1)
     assert c.key == QuantSpec(8, 64, "token") and c.value == QuantSpec(2, 16, "channel") and c.mode == "packed"
 
 
@@ -203,7 +206,7 @@ def test_probes_read_each_layers_specs(model3):
     from kvq_lab.probes.probe import probe_model
 
     ids = [torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))]
-    mixed = precision.per_layer(CacheConfig(), [8, 2, 8], [8, 2, 8])
+    mixed = precision_config.per_layer(CacheConfig(), [8, 2, 8], [8, 2, 8])
     per = probe_model(model3, ids, mixed).tables["attn_out"]["rel_fro"].mean(-1)  # [L]
     uni = probe_model(model3, ids, CacheConfig()).tables["attn_out"]["rel_fro"].mean(-1)
     assert per[0] < per[1] / 10 and per[2] < per[1] / 10
@@ -265,8 +268,23 @@ def test_smollm2_search_respects_budget(smol, data_dir, tmp_path):
         model(torch.randint(3, 1000, (1, T)), past_key_values=cache)
     nb = cache.nbytes()
     assert 8 * nb["stored"] / (nb["fp16"] / 2) <= budget
-    sens = precision.read_file(str(tmp_path / "precision.yaml"))["sensitivity"]["key"]
+    sens = precision_config.read_file(str(tmp_path / "precision.yaml"))["sensitivity"]["key"]
     gain = [sens["2"][i] - sens["8"][i] for i in range(30)]  # every key upgrade costs the same bytes
     if 8 in kb:
         assert kb[max(range(30), key=lambda i: gain[i])] == 8
     assert 8 in kb + vb
+
+
+def test_sensitivity_text_is_calibrations(data_dir, tmp_path):
+    """One GSM8K-train reader (kvq_lab.calibration): precision's text is calibration's, byte for byte (so the
+    sensitivity cache's text hash is the one of the split's parent: 600 Question/Answer rows); source=file differs."""
+    from kvq_lab.calibration import calibration_text
+
+    s = {"source": "gsm8k_train", "path": None}
+    text = precision.sensitivity_text(s, data_dir)
+    assert text == calibration_text(s, data_dir)[0]
+    assert text.startswith("Question: ") and text.count("\nAnswer: ") == 600
+    note = tmp_path / "note.txt"
+    note.write_text("Some other text.\n")
+    other = precision.sensitivity_text({"source": "file", "path": str(note)}, data_dir)
+    assert other != text and other.startswith("Some other text.")
