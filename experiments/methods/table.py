@@ -24,6 +24,7 @@ NAMES = {  # cache label -> the row's name in the issue's words
     "K2b-T32_V2b-T32_pac_R128_preRoPE_Khad32": "int2 K-T + hadamard:32 pre-RoPE (shared)",
     "K2b-T32_V2b-T32_pac_R128_preRoPE_Krkv32": "int2 K-T + rotatekv:32 pre-RoPE (per head)",
     "K2b-T32_V2b-T32_pac_R128_Kinnerq": "int2 K-T + innerq",
+    "K2b-T32_V2b-T32_pac_R128_Kinnerq0.5": "int2 K-T + innerq:0.5 (partial scale)",
 }
 
 

@@ -1,7 +1,7 @@
 """`innerq`: per-channel normalization of the keys, folded into the query (InnerQ, Tayaranian Hosseini et al. 2026,
 "InnerQ: Hardware-aware Tuning-free Quantization of KV Cache", arXiv 2602.23200, technique iii).
 
-    k_t = k / s          per kv head h and channel c: s[h, c] = 2^round(log2(max |k[h, :, c]|))   (fitted)
+    k_t = k / s          per kv head h and channel c: s[h, c] = 2^round(alpha * log2(max |k[h, :, c]|))   (fitted)
     q_t = q * s          the query of kv head h's query heads (GQA), so q_t · k_t = q · k
 
 Per-token key groups (InnerQ groups keys along the inner, channel dimension) share one range across all channels of
@@ -9,6 +9,12 @@ a token, so a channel that is large on every token sets every group's step; divi
 magnitude gives the channels equal range before grouping. The scale is a power of two, so k / s and q * s are
 exact in floating point (short of underflow): q_t · k_t equals q · k bit for bit before quantization, and the round
 trip k_t * s returns k exactly. Per-channel key groups (KIVI's K-C) gain nothing: each group is one channel already.
+
+Partial scaling (`innerq:<alpha>`, 0 < alpha <= 1; `innerq` is alpha = 1, the paper's full normalization): s is
+max|k|^alpha, SmoothQuant's migration strength (Xiao et al. 2023) with the query in the weight's place. Why: after
+full normalization every channel spends the same step in normalized units, so a large channel, which dominates q·k,
+gets an error s times larger once multiplied back (measured on SmolLM2: experiments/methods). alpha < 1 flattens the
+channel ranges only partly, keeping finer steps where the scores need them.
 
 Fitting (`fit`): InnerQ computes s once at prefill; here `kvq_lab.calibration` computes it once per layer on the
 calibration text (never on the evaluated text), from the keys as this transform sees them (after rope_pre when it
@@ -51,8 +57,10 @@ def digest(*tensors) -> str:
 class InnerQ(Transform):
     """keys / s, query * s, s a fitted power of two per (kv head, channel); see the module docstring.
 
+    alpha: the migration strength, s = 2^round(alpha * log2 max|k|), 0 < alpha <= 1 (1: full normalization).
     scale: fp32 [H_kv, D] (or [1, D]: every head), None for the bare spelling (not fitted: unusable)."""
 
+    alpha: float = 1.0
     scale: Any = None
 
     tensors = ("key",)
@@ -60,13 +68,29 @@ class InnerQ(Transform):
     fitted = True
     skip_unquantized = True
 
+    @classmethod
+    def parse(cls, arg):
+        if arg is None:
+            return cls()
+        try:
+            alpha = float(arg)
+        except ValueError:
+            alpha = float("nan")
+        if not 0 < alpha <= 1:  # nan fails too
+            raise QuantConfigError(
+                f"innerq:{arg} needs a migration strength alpha in (0, 1] (e.g. innerq:0.5); write innerq for alpha=1"
+            )
+        return cls(alpha)
+
     def fit(self, x) -> InnerQ:
-        """Fitted on keys x [B, H, T, D] (fp32): s = 2^round(log2(max over B, T of |x|)), 1 where a channel is 0."""
+        """Fitted on keys x [B, H, T, D] (fp32): s = 2^round(alpha * log2(max over B, T of |x|)), 1 where a channel
+        is 0."""
         import torch
 
         m = x.detach().float().abs().amax(dim=(0, 2))  # [H, D]
-        s = torch.where(m > 0, torch.exp2(torch.round(torch.log2(m.clamp(min=1e-30)))), torch.ones_like(m))
-        t = type(self)(s.cpu())
+        e = torch.round(self.alpha * torch.log2(m.clamp(min=1e-30)))  # the exponent of s^alpha, rounded
+        s = torch.where(m > 0, torch.exp2(e), torch.ones_like(m))
+        t = type(self)(self.alpha, s.cpu())
         register_fitted(t)
         return t
 
@@ -80,7 +104,12 @@ class InnerQ(Transform):
 
     @property
     def spelling(self) -> str:
-        return self.name if self.scale is None else f"{self.name}@{digest(self.scale)}"
+        bare = self.name if self.alpha == 1 else f"{self.name}:{self.alpha:g}"
+        return bare if self.scale is None else f"{bare}@{digest(self.scale)}"
+
+    @property
+    def label(self) -> str:
+        return self.name if self.alpha == 1 else f"{self.name}{self.alpha:g}"
 
     def _s(self, x):
         if self.scale is None:
