@@ -7,7 +7,11 @@
 `pretrained` takes what `model.path` takes (registry names such as `smollm2-135m`, hub ids, folders, GGUF files);
 every cache knob of run.py is a model arg (key_axis, value_axis, bits, key_bits, value_bits, group_size,
 residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by the same function
-(`kvq_lab.config.cache_config`), so a bad value gets the same one-line error before the model loads.
+(`kvq_lab.config.cache_config`), so a bad value gets the same one-line error before the model loads. So is
+`recompute.rank`, spelled as run.py spells it (mode=recompute: cache X's projection on r singular vectors; not
+given, or None: X itself), checked against the model's config.json before its weights load, as run.py checks it:
+
+    kvq-lm-eval run --model kvq --model_args pretrained=smollm2-135m,mode=recompute,bits=4,recompute.rank=384 ...
 
 Registration: importing this module registers `kvq` in lm-eval's model registry. lm-eval 0.4.x discovers no
 out-of-tree models (no entry-point group; EleutherAI/lm-evaluation-harness#1457, #3282), so plain `lm_eval --model
@@ -23,12 +27,13 @@ import logging
 from omegaconf import OmegaConf
 
 from kvq_lab.checks import check_device, check_model
-from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config
+from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config, check_recompute
 from kvq_lab.errors import ConfigError
 from kvq_lab.eval.lm import QuantCacheLM
 
 log = logging.getLogger("kvq_lab")
 MODEL_ARGS = ("pretrained", "dtype", "device", "revision", "batch_size", "max_batch_size", "max_length", "prefix_reuse")
+RECOMPUTE_RANK = "recompute.rank"  # run.py's `recompute.rank`, one model arg (lm-eval passes it as a kwarg name)
 
 
 def _device(device: str | None) -> str:
@@ -45,8 +50,11 @@ def _device(device: str | None) -> str:
 
 
 def cache_from_args(args: dict):
-    """model_args (cache knobs only) -> CacheConfig, with run.py's defaults for the knobs not given."""
+    """model_args (cache knobs and `recompute.rank` only) -> CacheConfig, with run.py's defaults for the knobs not
+    given."""
     knobs = {k: getattr(RunSchema, k) for k in CACHE_KNOBS}
+    args = dict(args)
+    knobs["recompute"] = {"rank": args.pop(RECOMPUTE_RANK, None)}
     knobs.update(args)
     return cache_config(OmegaConf.create(knobs))
 
@@ -70,11 +78,10 @@ class KvqLM(QuantCacheLM):
         from kvq_lab.cache import QuantizedKVCache
         from kvq_lab.models import load_model
 
-        unknown = sorted(set(knobs) - set(CACHE_KNOBS))
+        unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK})
         if unknown:
-            raise ConfigError(
-                f"model arg {unknown[0]!r} is not a kvq setting; model args: {', '.join(MODEL_ARGS + CACHE_KNOBS)}"
-            )
+            allowed = ", ".join((*MODEL_ARGS, *CACHE_KNOBS, RECOMPUTE_RANK))
+            raise ConfigError(f"model arg {unknown[0]!r} is not a kvq setting; model args: {allowed}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
         if not isinstance(prefix_reuse, bool):
@@ -86,6 +93,8 @@ class KvqLM(QuantCacheLM):
         )
         name = check_model(cfg)
         check_device(cfg, cache)
+        if cache.mode == "recompute":  # separable K/V projections and room for the rank, before the weights load
+            check_recompute(OmegaConf.merge(cfg, {"task": {"name": "lm_eval"}}), cache, name)
         model, tok = load_model(name, dtype=dtype, device=device)
         from kvq_lab.calibration import calibrate, data_dir_from_env
 

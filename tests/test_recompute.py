@@ -262,3 +262,36 @@ def test_triton_takes_power_of_two_widths_only(tiny_model, monkeypatch):
     assert all(layer.backend.name == "triton" for layer in kept.layers)
     ref = greedy(tiny_model, QuantizedKVCache.for_model(tiny_model, recompute_cfg(4, 48)))
     assert torch.equal(greedy(tiny_model, auto), ref)
+
+
+def test_rank_is_an_lm_eval_model_arg(tiny_model_dir, monkeypatch):
+    """`--model kvq --model_args ...,mode=recompute,recompute.rank=r` (kvq_lab/lmeval.py) builds run.py's recompute
+    cache: at 16 bits and full rank it generates DynamicCache's tokens, at rank 16 it does not; no rank caches X; a
+    rank beyond [W_k; W_v]'s, or a rank without mode=recompute, fails in one line before the weights load."""
+    from lm_eval.api.registry import get_model
+
+    import kvq_lab.lmeval as kl
+    from kvq_lab.config import ConfigError
+
+    args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,residual_length=0,backend=torch"
+    full = get_model("kvq").create_from_arg_string(args + ",recompute.rank=128")
+    low = get_model("kvq").create_from_arg_string(args + ",recompute.rank=16")
+    assert (full.cache_config.mode, full.cache_config.recompute_rank, low.cache_config.recompute_rank) == (
+        "recompute",
+        128,
+        16,
+    )
+    assert kl.cache_from_args({"mode": "recompute", "bits": 4}).recompute_rank is None  # X itself
+    ref = greedy(full.model, DynamicCache(config=full.model.config))
+    assert torch.equal(greedy(full.model, full.make_cache()), ref)
+    assert not torch.equal(greedy(low.model, low.make_cache()), ref)
+    loads = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loads.append(a))
+    with pytest.raises(ConfigError, match=r"recompute.rank=129 is outside \[1, 128\]") as e:
+        get_model("kvq").create_from_arg_string(args + ",recompute.rank=129")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="recompute.rank=64 applies to mode=recompute only"):
+        get_model("kvq").create_from_arg_string(f"pretrained={tiny_model_dir},mode=packed,recompute.rank=64")
+    with pytest.raises(ConfigError, match="model arg 'recompute_rank' is not a kvq setting.*recompute.rank"):
+        get_model("kvq").create_from_arg_string(f"pretrained={tiny_model_dir},recompute_rank=64")
+    assert not loads
