@@ -1,6 +1,7 @@
 """Table and figure of experiments/mixed_precision from its run records (python experiments/mixed_precision/table.py).
 
-Rows: one per cache (uniform b-bit, or a searched per-layer assignment), with decode ppl, CoQA-turns F1 (when run),
+Rows: one per cache (uniform b-bit, or a searched per-layer assignment), with decode ppl (the full task, 4 windows x
+512 scored tokens, and the quick version's 4 x 256, each where run), CoQA-turns F1 (when run),
 mean key/value code bits, and stored bits per K/V element counted as the search counts them
 (`kvq_lab.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
 per-layer key and value bits of each searched row (per_layer_bits.png).
@@ -36,6 +37,7 @@ def main() -> None:
 
     model, _ = load_model("smollm2-135m")
     rows: dict[tuple, dict] = {}
+    tokens = set()  # the searches' precision.tokens: every row's bytes are counted at that length
     for folder, r in records():
         cc = r["cache_config"]
         layers = cc.get("layers") or []
@@ -46,30 +48,41 @@ def main() -> None:
         budget = prec.get("budget") if name == "search" else None
         # CoQA rows rerun a searched file (precision=file): they join the searched row with the same bits
         key = (tuple(kb), tuple(vb))
-        row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "folder": folder})
+        row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "folder": folder, "ppl": {}})
         row["budget"] = row["budget"] or budget
         m = r["metrics"]
-        if "ppl/ppl" in m:
-            row["ppl"] = m["ppl/ppl"]
+        if "ppl/ppl" in m:  # keyed by scored tokens per window: the quick version (256) and the full one (512)
+            row["ppl"][r["config"]["task"]["eval_tokens"]] = m["ppl/ppl"]
         if "coqa_turns/f1" in m:
-            row["f1"], row["n"] = m["coqa_turns/f1"], r["config"].get("limit")
+            row["f1"], row["n"] = m["coqa_turns/f1"], int(m.get("coqa_turns/n") or r["config"].get("limit"))
         if name == "search":
             row["searched"] = folder / "precision.yaml"
-        row["tokens"] = prec.get("tokens") or 1024
+            tokens.add(prec["tokens"])
+    if len(tokens) > 1:
+        raise SystemExit(f"searches at different precision.tokens {sorted(tokens)}: their bytes are not comparable")
+    T = tokens.pop() if tokens else 512
     base = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"))
     lines = [
-        "| row | budget | mean key bits | mean value bits | stored bits / element | decode ppl | CoQA-turns F1 (n) |",
-        "|---|---|---|---|---|---|---|",
+        f"Stored bits per K/V element counted at {T} tokens (the searches' precision.tokens).",
+        "",
+        "| row | budget | mean key bits | mean value bits | stored bits / element | decode ppl, 4 x 512 | "
+        "decode ppl, 4 x 256 (quick) | CoQA-turns F1 (turns) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for (kb, vb), row in sorted(rows.items(), key=lambda kv: sum(kv[0][0]) + sum(kv[0][1])):
-        costs = precision.measure_costs(model, base, sorted(set(kb) | set(vb)), row["tokens"])
-        stored = costs.bits(list(kb), list(vb))
-        label = f"searched, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
+        reference = set(kb) | set(vb) == {16}
+        if reference:  # 16 bits: the exact cache, stored in the model's dtype; not a point of the byte budget
+            stored, label = "-", "16-bit (reference)"
+        else:
+            costs = precision.measure_costs(model, base, sorted(set(kb) | set(vb)), T)
+            stored = f"{costs.bits(list(kb), list(vb)):.3f}"
+            label = f"searched, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
         f1 = f"{row['f1']:.2f} ({row['n']})" if "f1" in row else "-"
-        ppl = f"{row['ppl']:.2f}" if "ppl" in row else "-"
+        ppl = [f"{row['ppl'][t]:.2f}" if t in row["ppl"] else "-" for t in (512, 256)]
         budget = f"{row['budget']:g}" if row["budget"] else "-"
         lines.append(
-            f"| {label} | {budget} | {sum(kb) / len(kb):.2f} | {sum(vb) / len(vb):.2f} | {stored:.3f} | {ppl} | {f1} |"
+            f"| {label} | {budget} | {sum(kb) / len(kb):.2f} | {sum(vb) / len(vb):.2f} | {stored} | {ppl[0]} | "
+            f"{ppl[1]} | {f1} |"
         )
         row["label"] = label
     table = "\n".join(lines)
