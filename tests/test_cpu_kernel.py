@@ -106,7 +106,8 @@ def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     assert len(calls) == 39 * 2  # every decode step after the first token, in both layers
 
 
-def test_pre_rope_keys_take_the_pytorch_path(tiny):  # noqa: F811
+def test_pre_rope_keys_match_the_pytorch_path(tiny):  # noqa: F811
+    """rope=pre: the kernel rotates the keys itself (tests/test_fast_path.py); same greedy tokens as backend=torch."""
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(5))
     out = {}
     for backend in ("cpu", "torch"):

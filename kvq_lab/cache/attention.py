@@ -7,8 +7,10 @@ layer's `decode_view()` (plain tensors) then goes to its backend's `decode_atten
 Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
 query q M (q M · k M = q · k); values stored as v M give the output (A v) M, mapped back with M^T. Once per decode
-step each, whatever the cache length. A pipeline that does not fold (rope_pre) comes undone in the layer's view
-(history dequantized and re-rotated), which only the PyTorch path reads.
+step each, whatever the cache length. rope_pre alone on the keys, with a backend that reads `rope` (the CPU kernel),
+is undone in the kernel: the view carries the codes and a cos/sin table, and each key row is rotated at its position
+as it is read. Any other pipeline that does not fold comes undone in the layer's view (history dequantized and
+re-rotated), which only the PyTorch path reads.
 """
 
 from __future__ import annotations
@@ -60,13 +62,17 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     kp, vp = layer.k_pipe, layer.v_pipe
-    fold_k, fold_v = kp is None or kp.foldable, vp is None or vp.foldable
-    # a pipeline that does not fold comes undone in the view (dequantized history): only the PyTorch path reads it
-    fused = layer.backend.decode_attention if fold_k and fold_v else decode_attention_torch
-    if kp is not None and fold_k:
+    view = layer.decode_view()  # with the extensions the layer's backend reads (`Backend.features`)
+    backend = layer.backend
+    if view.rope is not None and not backend.supports(view, query, attention_mask):
+        view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history instead
+    # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
+    undone = view.keys.history is not None or view.values.history is not None
+    fused = decode_attention_torch if undone else backend.decode_attention
+    if kp is not None and kp.foldable:
         query = kp.fold_query(query)  # keys are stored as k M: q M · k M = q · k
-    out = fused(layer.decode_view(), query, attention_mask, scaling)  # [B, 1, Hq, D]
-    if vp is not None and fold_v:
+    out = fused(view, query, attention_mask, scaling)  # [B, 1, Hq, D]
+    if vp is not None and vp.foldable:
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
 

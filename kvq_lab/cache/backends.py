@@ -4,6 +4,10 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
     write(store, x, t0, valid, rows)            quantize x [b, H, n, D] into storage positions [t0, t0 + n)
     dequantize(codes, scale, zero, spec, n)     fp32 [B, H, n, D] of storage positions [0, n)
     decode_attention(view, query, mask, scaling)  one decode step over a `DecodeView` -> [B, 1, Hq, D]
+    features                                    the `DecodeView` extensions its decode_attention reads (`rope`:
+                                                rope=pre keys rotated in the kernel)
+    supports(view, query, mask)                 whether decode_attention takes this view, query and mask (a view
+                                                with an extension it cannot take is rebuilt without it)
 
 `torch` is the pure-PyTorch path; `cpu` adds the C decode-attention kernel (quantization and storage are torch's,
 so the bits are the same); `triton` quantizes, packs, dequantizes and attends with the Triton kernels, imported only
@@ -33,7 +37,9 @@ class Backend(Protocol):
     """What a packed-cache backend provides (see the module docstring)."""
 
     name: str
+    features: frozenset[str]
 
+    def supports(self, view, query, mask) -> bool: ...
     def write(self, store, x, t0, valid, rows) -> None: ...
     def dequantize(self, codes, scale, zero, spec, n) -> torch.Tensor: ...
     def decode_attention(self, view, query, mask, scaling) -> torch.Tensor: ...
@@ -44,6 +50,11 @@ class TorchBackend:
     same bits in fewer ops), vectorised dequantization, `decode_attention_torch`."""
 
     name = "torch"
+    features: frozenset[str] = frozenset()
+
+    @staticmethod
+    def supports(view, query, mask) -> bool:
+        return view.rope is None  # rope=pre keys only as a dequantized, rotated history (`view.keys.history`)
 
     @staticmethod
     def quantize(x, spec, valid):
@@ -69,6 +80,11 @@ class CpuBackend(TorchBackend):
     (`kvq_lab.kernels.cpu_kernel`, compiled on first use)."""
 
     name = "cpu"
+    features = frozenset({"rope"})
+
+    @staticmethod
+    def supports(view, query, mask) -> bool:
+        return cpu_kernel.supports(view, query, mask)
 
     @staticmethod
     def decode_attention(view, query, mask, scaling):
@@ -80,6 +96,8 @@ class TritonBackend:
     """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton_kernels`."""
 
     name = "triton"
+    features: frozenset[str] = frozenset()  # rope=pre and padded rows: not yet in the Triton kernel
+    supports = TorchBackend.supports
 
     @staticmethod
     def write(store, x, t0, valid, rows):

@@ -49,7 +49,9 @@ stored). On fused decode steps, a pipeline that folds into attention (hadamard: 
 is not undone at all: `kvq_sdpa` maps the query with T and the output back with T^-1 around the kernel, which reads
 the stored codes and window as they are and this step's sinks mapped into T's basis. A pipeline that does not fold
 (rope_pre: position-dependent) comes undone in the view (history dequantized and re-rotated at its positions, window
-re-rotated), which only the PyTorch path reads.
+re-rotated), which only the PyTorch path reads; except rope_pre alone on the keys with a backend that rotates keys
+itself (`Backend.features` has `rope`: the CPU kernel): its view carries the pre-RoPE codes and window with a
+`RopeView` (a cos/sin table shared by the model's layers, `rope_table`, and the layer's position ids).
 
 Roles: this module is the layer (what is stored where, per step); `store` holds the bits, `streams` the
 per-axis streaming policies, `backends` the kernels' selection, `attention` the routing.
@@ -57,9 +59,12 @@ per-axis streaming policies, `backends` the kernels' selection, `attention` the 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from kvq_lab.kernels.view import DecodeView
+from kvq_lab.kernels.view import DecodeView, RopeView
+from kvq_lab.quant.transforms.rope_pre import RopePre
 
 from .attention import PackedKV, route_model
 from .backends import get_backend
@@ -68,6 +73,31 @@ from .rope import position_ids_from
 from .rows import left_padded_sinks
 from .store import tensor_bytes
 from .streams import make_stream
+
+_ROPE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> (cos, sin) [P, D/2]
+
+
+def rope_table(rotary_emb: torch.nn.Module, P: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's RoPE at position ids [0, >= P): fp32 cos, sin [P', D/2], contiguous, on like's device, one per
+    rotary module (shared by its layers), grown by doubling. Computed by the module itself (attention scaling and
+    frequency variants included), in the call the PyTorch path makes, so the values are the ones it rotates with;
+    kept as one half of transformers' duplicated [cos, cos] layout. None where a table cannot stand for the module:
+    frequencies that depend on the sequence length (`dynamic`, `longrope`), or halves that differ."""
+    if getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+        return None
+    have = _ROPE_TABLES.get(rotary_emb)
+    if have is not None and have[0].shape[0] >= P and have[0].device == like.device:
+        return have
+    size = max(P, 1024, 2 * have[0].shape[0] if have is not None else 0)
+    with torch.no_grad(), torch.inference_mode(False):  # usable in and out of inference mode, as workspaces
+        ids = torch.arange(size, device=like.device)[None]
+        cos, sin = (t.float()[0] for t in rotary_emb(torch.empty(0, device=like.device), ids))
+        h = cos.shape[-1] // 2
+        if not (torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])):
+            return None
+        table = (cos[:, :h].contiguous(), sin[:, :h].contiguous())
+    _ROPE_TABLES[rotary_emb] = table
+    return table
 
 
 @register_layer("packed")
@@ -92,6 +122,7 @@ class PackedLayer(QuantizedLayerBase):
         self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"))
         self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"))
         self._pos: torch.Tensor | None = None  # position ids [B, N] (int32), kept for position-dependent transforms
+        self._pos_top = -1  # the largest of them (the rope table must cover it)
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @staticmethod
@@ -120,6 +151,7 @@ class PackedLayer(QuantizedLayerBase):
         if self.positional:
             ids = position_ids_from(kwargs, B, self.N, n, key_states.device).to(torch.int32)
             self._pos = ids if self._pos is None else torch.cat([self._pos, ids], 1)
+            self._pos_top = max(self._pos_top, int(ids.max()))
             pos = self.positions(key_states, ids)
         # what the streams store: the tokens as the quantizers see them (the transforms applied)
         tk = key_states if self.k_pipe is None else self.k_pipe.forward(key_states, pos)
@@ -181,11 +213,27 @@ class PackedLayer(QuantizedLayerBase):
         return pipe.inverse(x, self.positions(x, ids))
 
     def decode_view(self) -> DecodeView:
-        """Rows without padding, both streams quantized: the stored segments as plain tensors for the kernels
-        (see the module docstring for what transforms change)."""
-        k = self._stream_view(self.k_stream, self.sink_k, self.k_pipe)
+        """Rows without padding, both streams quantized: the stored segments as plain tensors for the kernels, with
+        the extensions this layer's backend reads (see the module docstring for what transforms change)."""
+        return self.view_for(self.backend.features)
+
+    def view_for(self, features: frozenset[str]) -> DecodeView:
+        """`decode_view` for a reader of `features` (`Backend.features`; empty: the PyTorch path's plain view)."""
+        rope = self._rope_view() if "rope" in features else None
+        k = self._stream_view(self.k_stream, self.sink_k, None if rope is not None else self.k_pipe)
         v = self._stream_view(self.v_stream, self.sink_v, self.v_pipe)
-        return DecodeView(k, v, self.N, self.cfg.sink_tokens)
+        return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope)
+
+    def _rope_view(self) -> RopeView | None:
+        """Keys under rope_pre alone (values: no transform or a foldable one), a model whose RoPE tabulates: the
+        kernel rotates the pre-RoPE keys itself. None otherwise."""
+        kp, vp = self.k_pipe, self.v_pipe
+        if kp is None or len(kp.transforms) != 1 or not isinstance(kp.transforms[0], RopePre) or self.rope is None:
+            return None
+        if vp is not None and not vp.foldable:
+            return None
+        table = rope_table(self.rope.rotary_emb, self._pos_top + 1, self.sink_k)
+        return None if table is None else RopeView(*table, self._pos)
 
     def _stream_view(self, stream, sink, pipe):
         N = self.N

@@ -19,6 +19,13 @@ of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + 
 least significant first, as nb little-endian bytes in nb byte planes of m rows:
     byte j of word (blk, r, d) = codes[blk * nb * m + j * m + r][d]
 Parameters are fp16: per-token groups [T, D/G], per-channel groups [T/G, D].
+
+rope=pre (keys quantized before RoPE, KVQuant): history and window keys are stored pre-RoPE; each key row after the
+sinks is rotated at its position id just before its dot products (`rope_row`), from a shared table of the model's
+cos/sin at every position id ([P, D/2], the halves of transformers' duplicated cos/sin), in the reference's order
+of operations: k*cos + rotate_half(k)*sin, two products and one sum per element, no fma. A table read, not a sincos
+per row: the same values the PyTorch path rotates with (it reads the same table), and no transcendental per row
+(measured in experiments/cache_speed/README.md). Sinks are exact post-RoPE keys, read as they are.
 */
 #include <math.h>
 #include <stdint.h>
@@ -49,6 +56,8 @@ typedef struct {
     int64_t partial;                /* fp32 scratch [B * Hkv * chunks, r, D + 2] */
     int64_t B, Hq, Hkv, D, N, s;    /* s: sink positions present */
     int64_t chunk;                  /* positions per task (<= KVQ_MAX_CHUNK) */
+    int64_t rcos, rsin, P;          /* rope=pre: fp32 cos/sin tables [P, D/2], or 0 (keys stored as attended) */
+    int64_t pos, pb;                /* rope=pre: int32 position ids [B, >= N], row stride pb */
     Stream k, v;
 } Args;
 
@@ -165,6 +174,17 @@ static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, in
     return (const float *)st->win + b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt;
 }
 
+/* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
+   (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. */
+static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, int64_t D,
+                            float *restrict out) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        out[i] = k[i] * c[i] - k[i + h] * s[i];
+        out[i + h] = k[i + h] * c[i] + k[i] * s[i];
+    }
+}
+
 /* a . b with 16 independent partial sums (vectorises; a single running sum would be a serial chain) */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
     float acc[16] = {0}, tail = 0.0f;
@@ -197,16 +217,28 @@ static inline float exp_neg(float x) {
 
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
    chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). */
-static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float scaling,
-                         float *restrict part) {
+static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float scaling,
+                            float *restrict part) {
+    int64_t bad = 0;  /* position ids outside the rope table */
     const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
-    float buf[KVQ_MAX_D], sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
+    float buf[KVQ_MAX_D], sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D], rbuf[KVQ_MAX_D];
     const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
+    const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
+    const int32_t *pos = a->pos ? (const int32_t *)a->pos + b * a->pb : 0;
     int64_t group = -1;
     for (int64_t p = p0; p < p1; p++) {
         const float *k = kv_row(a, &a->k, b, h, p, buf, sbuf, zbuf, &group);
+        if (rcos && p >= a->s) {  /* a pre-RoPE key (history or window): rotate it at its position id */
+            const int64_t id = pos[p];
+            if (id < 0 || id >= a->P) {  /* outside the table: counted, and the call's result is refused */
+                bad++;
+                continue;
+            }
+            rope_row(k, rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
+            k = rbuf;
+        }
         for (int64_t i = 0; i < r; i++)
             sc[i * T + (p - p0)] = dot(q + i * a->qh, k, D) * scaling + (mask ? mask[p] : 0.0f);
     }
@@ -230,21 +262,25 @@ static void attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_
             for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
         }
     }
+    return bad;
 }
 
 /* Tasks (b, kv head, chunk) over `threads` OpenMP threads, then the chunks of each query head combined. Built
    with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
-   so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers. */
-void kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
+   so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers.
+   Returns the number of rope=pre key rows whose position id is outside the table (0: the output is valid). */
+int64_t kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
     const int64_t D = a->D, r = a->Hq / a->Hkv, C = (a->N + a->chunk - 1) / a->chunk;
     const int64_t tasks = a->B * a->Hkv * C;
     float *partial = (float *)a->partial;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1) reduction(+ : bad)
     for (int64_t i = 0; i < tasks; i++) {
         const int64_t bh = i / C, c = i % C;
         const int64_t p0 = c * a->chunk, p1 = p0 + a->chunk < a->N ? p0 + a->chunk : a->N;
-        attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
+        bad += attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
     }
+    if (bad) return bad;
     for (int64_t bq = 0; bq < a->B * a->Hq; bq++) {
         const int64_t b = bq / a->Hq, hq = bq % a->Hq, h = hq / r, i = hq % r;
         const float *p0 = partial + ((b * a->Hkv + h) * C) * r * (D + 2) + i * (D + 2);
@@ -262,4 +298,5 @@ void kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
+    return 0;
 }

@@ -46,7 +46,7 @@ MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in th
 STREAM_FIELDS = (
     "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
 )
-ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk".split()
+ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
 
 # the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries: every code format
@@ -130,7 +130,7 @@ def _build_and_load() -> ctypes.CDLL:
     if lib.kvq_args_size() != 8 * N_FIELDS:
         raise KernelBuildError(f"{so} does not match this kvq_lab version (argument block size); delete it")
     lib.kvq_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
-    lib.kvq_decode_attention.restype = None
+    lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
     return lib
 
 
@@ -171,42 +171,67 @@ def _stream_fields(sv: StreamView) -> list[int]:
     return [*hist, *layout, *window, *sinks]
 
 
-def supports(view: DecodeView, query: torch.Tensor) -> bool:
-    """The kernel reads fp32 sinks and windows (an fp32 model on the CPU); other dtypes, devices, head sizes or
-    masks take the PyTorch path (same results). rope=pre layers never get here (`kvq_sdpa_attention`)."""
+def _rope_fields(view: DecodeView, N: int) -> list[int]:
+    """rcos, rsin, P, pos, pb of the C `Args`: the rope=pre table and position ids, or zeros."""
+    rope = view.rope
+    if rope is None:
+        return [0, 0, 0, 0, 0]
+    D = view.keys.sink.shape[-1]
+    cos, sin, pos = rope.cos, rope.sin, rope.pos
+    ok = cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    if not ok or cos.shape != sin.shape or cos.shape[-1] != D // 2 or pos.shape[-1] < N:
+        raise ValueError(f"RopeView: cos/sin must be contiguous fp32 [P, D/2 = {D // 2}] and pos [B, >= N = {N}]")
+    return [cos.data_ptr(), sin.data_ptr(), cos.shape[0], pos.data_ptr(), pos.stride(0)]
+
+
+def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
+    """The kernel reads fp32 sinks and windows (an fp32 model on the CPU), masks shared by the query heads, and
+    rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch path (same
+    results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt without it,
+    `kvq_lab.cache.attention` does)."""
     B, Hq, _, D = query.shape
     sink = view.keys.sink
     Hkv = sink.shape[1]
+    rope = view.rope
     return (
         query.device.type == "cpu"
         and query.dtype == sink.dtype == torch.float32
         and query.stride(-1) == 1
         and D <= MAX_D
         and Hq // Hkv <= MAX_R
+        and (mask is None or _additive_mask(mask, B, view.N) is not False)
+        and (rope is None or (D % 2 == 0 and rope.pos.dtype == torch.int32 and rope.pos.stride(-1) == 1))
     )
 
 
 def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
-    """[B, N] fp32 additive mask from SDPA's [B, 1, 1, >= N] bool or float mask (None: no mask; False: a mask
+    """[B, N] fp32 additive mask from SDPA's [B or 1, 1, 1, >= N] bool or float mask (None: no mask; False: a mask
     the kernel cannot take, one that differs between query heads)."""
     if mask is None:
         return None
     mask = mask[..., -N:]
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, B):
         return False
+    mask = mask.expand(B, 1, 1, N)
     if mask.dtype == torch.bool:
         return torch.zeros(B, N).masked_fill_(~mask.reshape(B, N), float("-inf"))
     return mask.reshape(B, N).float().contiguous()
 
 
 def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """`decode_attention_torch`'s twin over packed K/V without padding: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
+    """`decode_attention_torch`'s twin over packed K/V: query [B, Hq, 1, D] -> [B, 1, Hq, D]. A view with rope=pre
+    keys (`view.rope`) is rotated in the kernel."""
     check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
     N = view.N
-    add = _additive_mask(mask, B, N)
-    if add is False or not supports(view, query):
+    if not supports(view, query, mask):
+        if view.rope is not None:  # the PyTorch path reads rope=pre keys only as a dequantized, rotated history
+            raise ValueError(
+                "the CPU kernel cannot take this query or mask; rebuild the view without `rope` for "
+                "torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
+            )
         return decode_attention_torch(view, query, mask, scaling)
+    add = _additive_mask(mask, B, N)
     Hkv = view.keys.sink.shape[1]
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
@@ -214,7 +239,13 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     args = _ArgBlock(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
-        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_stream_fields(view.keys), *_stream_fields(view.values),
+        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N),
+        *_stream_fields(view.keys), *_stream_fields(view.values),
     )  # fmt: skip
-    load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
+    bad = load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
+    if bad:
+        raise ValueError(
+            f"{bad} rope=pre key rows have position ids outside the RopeView table "
+            f"[0, {view.rope.cos.shape[0]}): build the table over every id in RopeView.pos"
+        )
     return out.view(B, 1, Hq, D)

@@ -11,6 +11,15 @@ Positions of one tensor (keys or values) of a batch without padding, with S = `s
     [N - w, N)      the full-precision window           the last w rows of `StreamView.window`
 
 Every position is in exactly one segment. Keys and values split differently (their windows differ).
+
+Two extensions, each None unless the layer's backend declares it reads them (`Backend.features`):
+    rope   (`RopeView`) rope=pre keys: history and window keys are stored pre-RoPE, as codes and as the window
+           holds them; the kernel rotates each key row at its position id (`transformers` Llama's `rotate_half`
+           convention) from a shared cos/sin table. Sinks are exact post-RoPE keys and are read as they are.
+    pads   left-padded batches: row b has `pads[b]` padding positions first (never attended), then its own sinks
+           (`sink[b, :, j]` is its real token j < S), then its stream positions; a stream's storage position t of
+           row b is absolute position `StreamView.starts[b] + t`, history while t < `StreamView.counts[b]`, and
+           every later position of the row is in the window (its last rows, by absolute position).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ class StreamView(NamedTuple):
     table: fp32 [2^bits], contiguous, on the codes' device: the value of each code before scale and zero
         (`kvq_lab.quant.formats`: x' = table[code] * scale + zero). None: every code is its own value (int), so
         kernels use the code itself, exactly as before formats existed.
+    starts, counts: int64 [B] with `DecodeView.pads` (left-padded batches): row b's storage position t is absolute
+        position starts[b] + t, quantized history while t < counts[b] (n = max(counts)). None without padding.
     """
 
     sink: torch.Tensor
@@ -51,15 +62,38 @@ class StreamView(NamedTuple):
     axis: str
     history: torch.Tensor | None = None
     table: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
+class RopeView(NamedTuple):
+    """rope=pre keys for a kernel that rotates them itself: key row at cache position p of batch row b (after its
+    sinks) is rotated by the angle of position id `pos[b, p]`:
+        k[i]       = k_pre[i] * cos[i] - k_pre[i + D/2] * sin[i]
+        k[i + D/2] = k_pre[i + D/2] * cos[i] + k_pre[i] * sin[i]          (i < D/2)
+    which is `k_pre * cos + rotate_half(k_pre) * sin` with the model's duplicated halves of cos/sin.
+
+    cos, sin: fp32 [P, D/2], contiguous: row p the model's rotary module at position id p (attention scaling
+        included), shared by all layers. pos: int32 [B, >= N], stride 1 along positions; every id < P.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pos: torch.Tensor
 
 
 class DecodeView(NamedTuple):
-    """One layer's packed K/V at a decode step: N cached tokens, S = `sink_tokens` (history starts at S)."""
+    """One layer's packed K/V at a decode step: N cached tokens, S = `sink_tokens` (history starts at S).
+
+    rope: rope=pre keys to rotate in the kernel (`RopeView`), or None. pads: int64 [B] left-padding positions per
+    row, or None (no padding; the module docstring gives the padded layout and `StreamView.starts/counts`)."""
 
     keys: StreamView
     values: StreamView
     N: int
     sink_tokens: int
+    rope: RopeView | None = None
+    pads: torch.Tensor | None = None
 
 
 def check_codes_only(view: DecodeView, kernel: str) -> None:

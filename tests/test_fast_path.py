@@ -1,0 +1,146 @@
+"""The CPU kernel for every configuration (issue 14): rope=pre keys rotated in the kernel, against the PyTorch path
+(which re-rotates a dequantized history) on awkward shapes, and the same greedy tokens in generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache.base import PaddingState
+from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.kernels import cpu_kernel
+from kvq_lab.kernels.torch_path import decode_attention_torch
+from kvq_lab.quant.spec import QuantSpec
+
+pytestmark = pytest.mark.skipif(cpu_kernel.build_error() is not None, reason="no C compiler: no CPU kernel")
+
+ROPE = frozenset({"rope"})
+PLAIN: frozenset[str] = frozenset()
+
+
+def rotary(D: int, theta: float = 10000.0) -> RopeHelper:
+    cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D, max_position_embeddings=2048)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return RopeHelper(LlamaRotaryEmbedding(cfg))
+
+
+def layer_of(key, value, R, S, D, backend="cpu", rope="pre"):
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend=backend, rope=rope)  # fmt: skip
+    return PackedLayer(cfg, rotary(D), PaddingState())
+
+
+def fp64_attention(q, K, V, mask, scale):
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), K.double(), V.double(), attn_mask=m, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+# (key spec, value spec, R, sinks, D, query heads per kv head, batch, prompt, tokens)
+ROPE_CASES = [
+    ((2, 32, "channel"), (2, 32, "token"), 128, 0, 64, 3, 1, 150, 420),  # the benchmark's setting, two chunks
+    ((3, 32, "channel"), (4, 32, "token"), 32, 3, 128, 3, 2, 101, 300),  # 3-bit words, D=128, sinks, odd lengths
+    ((2, 16, "token"), (2, 64, "channel"), 0, 2, 64, 1, 1, 37, 290),  # R=0, per-token keys, no GQA
+    ((4, 32, "channel"), (2, 32, "token"), 64, 5, 64, 2, 2, 3, 110),  # a prompt shorter than the sinks
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}-R{c[2]}-S{c[3]}-D{c[4]}-r{c[5]}")
+def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
+    """rope=pre keys rotated in the kernel (view.rope) give the PyTorch path's output (history dequantized and
+    re-rotated in Python) within fp32 rounding, with every mask kind; both within twice the PyTorch path's error of
+    fp64 attention over the materialized cache. The same view without its rotation must differ (the oracle can
+    fail)."""
+    key, value, R, S, D, r, B, L, T = case
+    layer = layer_of(key, value, R, S, D)
+    g = torch.Generator().manual_seed(T + D)
+    k, v = torch.randn(B, 2, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)
+    k[..., 5] *= 10  # an outlier channel
+    layer.update(k[:, :, :L], v[:, :, :L])
+    checked, err_kernel, err_torch = 0, 0.0, 0.0
+    for N in range(L, T):
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+        if (N - L) % 61 and N != T - 1:
+            continue
+        view = layer.view_for(ROPE)
+        assert view.rope is not None and view.keys.history is None  # the kernel reads the codes
+        q = torch.randn(B, 2 * r, 1, D, generator=g) * 2
+        scale = D**-0.5
+        K, V = layer.materialize()
+        for mask in (None, torch.rand(B, 1, 1, N + 1, generator=g) > 0.3, torch.randn(B, 1, 1, N + 1, generator=g)):
+            got = cpu_kernel.decode_attention(view, q, mask, scale)
+            ours = decode_attention_torch(layer.view_for(PLAIN), q, mask, scale)
+            torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
+            exact = fp64_attention(q, K, V, mask, scale)
+            err_kernel = max(err_kernel, (got.double() - exact).abs().max().item())
+            err_torch = max(err_torch, (ours.double() - exact).abs().max().item())
+            checked += 1
+        if N > L + 40:  # history present: unrotated keys give another answer
+            unrotated = cpu_kernel.decode_attention(view._replace(rope=None), q, None, scale)
+            assert (unrotated - decode_attention_torch(layer.view_for(PLAIN), q, None, scale)).abs().max() > 1e-2
+    assert checked >= 9
+    # fp32 rounding in another order (16 partial sums, a polynomial exp): ~1e-6 at these score sizes
+    assert err_kernel <= 2 * err_torch + 5e-6, (err_kernel, err_torch)
+
+
+def test_rope_table_is_the_models_rope():
+    """The kernel's table is the rotary module's own cos/sin (one half of its duplicated layout), grown on demand;
+    a RoPE whose frequencies depend on the length gets no table (the PyTorch path re-rotates instead)."""
+    from kvq_lab.cache.packed import rope_table
+
+    rope = rotary(64, theta=500000.0)
+    cos, sin = rope_table(rope.rotary_emb, 10, torch.empty(0))
+    ref_cos, ref_sin = rope.cos_sin(torch.empty(0), torch.arange(cos.shape[0])[None])
+    assert torch.equal(cos, ref_cos[0, 0, :, :32]) and torch.equal(sin, ref_sin[0, 0, :, :32])
+    assert rope_table(rope.rotary_emb, 3000, torch.empty(0))[0].shape[0] >= 3000
+    rope.rotary_emb.rope_type = "dynamic"
+    assert rope_table(rope.rotary_emb, 10, torch.empty(0)) is None
+
+
+def test_position_ids_outside_the_table_fail():
+    layer = layer_of((2, 32, "channel"), (2, 32, "token"), 32, 0, 64)
+    layer.update(torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64))
+    view = layer.view_for(ROPE)
+    bad = view._replace(rope=view.rope._replace(pos=view.rope.pos + view.rope.cos.shape[0]))
+    with pytest.raises(ValueError, match="position ids outside the RopeView table"):
+        cpu_kernel.decode_attention(bad, torch.randn(1, 4, 1, 64), None, 0.125)
+
+
+def gen(model, cache, ids, n, mask=None):
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[:, ids.shape[1] :]
+
+
+@pytest.fixture(scope="module")
+def gqa3():
+    """A tiny random Llama with 3 query heads per kv head and D=128 (the awkward GQA ratio and head size)."""
+    return tiny_llama(seed=3, heads=6, kv_heads=2, head_dim=128, hidden=192)
+
+
+@pytest.mark.parametrize("model_name", ["tiny_model", "gqa3"])
+def test_rope_pre_generation_goes_through_the_kernel(model_name, request, monkeypatch):
+    """Greedy tokens with rope=pre: backend=cpu (keys rotated in the kernel) == backend=torch, and every decode step
+    of every layer reaches the kernel with a rope view."""
+    model = request.getfixturevalue(model_name)
+    calls = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: calls.append(view.rope) or real(view, *a))
+    ids = torch.randint(3, 256, (1, 83), generator=torch.Generator().manual_seed(9))
+    out = {}
+    for backend in ("cpu", "torch"):
+        cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                          residual_length=32, sink_tokens=2, rope="pre", backend=backend)  # fmt: skip
+        out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 30)
+    assert torch.equal(out["cpu"], out["torch"])
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 29 * layers and all(r is not None for r in calls)
