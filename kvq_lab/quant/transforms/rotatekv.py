@@ -10,8 +10,21 @@ channels: here the channels ranked 0, 1, 2, ... by calibration RMS are dealt to 
 ... (each block's first slot filled first). With one block (the whole head, the default) the order only permutes
 the Hadamard's inputs; blocks smaller than the head (`rotatekv:<n>`) are where the reorder balances outliers.
 The paper applies it to keys before RoPE (its "pre-RoPE" rotation): compose `key_transform=[rope_pre,rotatekv]`.
-Not implemented from the paper: the grouped-head rotation (blocks spanning several heads) and its sink handling
-(kvq_lab's `sink_tokens` keeps sinks exact instead).
+
+Not implemented from RotateKV, and why (its public code, github.com/ZunhaiSu/RotateKV, read for this):
+- Grouped-head rotation: one Hadamard over g kv heads' channels at once (g = 4 heads of 128: 512 channels), then a
+  reorder of all kv channels (every head's) ascending by their signed calibration sum, then per-token groups of 128
+  of the reordered vector. It mixes heads, so it cannot fold into per-head attention (q_h · k_h is kept only by maps
+  within a head): the code un-reorders and un-rotates the dequantized keys before RoPE at every step. On SmolLM2 the
+  3 kv heads allow g = 1 (this transform's whole-head rotation) or g = 3 (192 channels, not a power of two: no
+  Sylvester Hadamard or FWHT). Its reorder (after the rotation, contiguous groups by signed mean) differs from the
+  one here (before the rotation, ranked by RMS, dealt across blocks), which follows the paper's text.
+- Attention-sink-aware quantization: per layer and prompt, the tokens holding the 20 largest |entries| of the
+  layer's input hidden states stay 16-bit at prefill. A cache sees keys and values, not hidden states, and keeps
+  exact tokens only as a prefix (`sink_tokens`: the first S positions). On SmolLM2 the rule picks position 0 alone
+  in layers 12-19 (what `sink_tokens=1` keeps) and 5-20 content tokens elsewhere
+  (experiments/methods/massive_activations.py); the two combine as "exact if either keeps it", which needs exact
+  tokens at arbitrary positions in the cache (not built).
 
 Orthogonal and the same at every position, so it folds into attention like `hadamard` (the query is rotated with
 its kv head's permutation, the output rotated back). Fitted (`fit`) by `kvq_lab.calibration` once per layer; the
