@@ -127,9 +127,9 @@ def test_unsupported_inputs_fall_back():
         cpu_kernel.decode_attention(layer.decode_view(), q, per_head, 0.125),
         decode_attention_torch(layer.decode_view(), q, per_head, 0.125),
     )
-    bf16 = _layer("channel", "token", 2, 2, 0, 32, 32)
-    bf16.update(k.bfloat16(), k.bfloat16())
-    assert not cpu_kernel.supports(bf16.decode_view(), q.bfloat16())
+    fp64 = _layer("channel", "token", 2, 2, 0, 32, 32)  # a dtype the kernel does not read (fp16 and bf16 it does)
+    fp64.update(k.double(), k.double())
+    assert not cpu_kernel.supports(fp64.decode_view(), q.double())
 
 
 @pytest.fixture

@@ -144,3 +144,61 @@ def test_rope_pre_generation_goes_through_the_kernel(model_name, request, monkey
     assert torch.equal(out["cpu"], out["torch"])
     layers = model.config.num_hidden_layers
     assert len(calls) == 29 * layers and all(r is not None for r in calls)
+
+
+# --- fp16 and bf16 models ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rope", ["post", "pre"])
+def test_half_models_in_the_kernel_match_the_pytorch_path(dtype, rope):
+    """Sinks, window and query in the model's dtype: the kernel converts them (exactly) and accumulates in fp32, so
+    its result is the PyTorch path's up to fp32 rounding, in the model's dtype; rope=pre window keys are rounded to
+    the model's dtype once rotated, as the PyTorch path does. Converting with the wrong format must differ (the
+    oracle can fail)."""
+    D, r, B = 64, 3, 2
+    layer = layer_of((2, 32, "channel"), (3, 32, "token"), 32, 3, D, rope=rope)
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(B, 2, 230, D, generator=g).to(dtype), torch.randn(B, 2, 230, D, generator=g).to(dtype)
+    layer.update(k[:, :, :161], v[:, :, :161])
+    for N in range(161, 230):
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    q = torch.randn(B, 2 * r, 1, D, generator=g).to(dtype)
+    mask = torch.rand(B, 1, 1, 230, generator=g) > 0.2
+    view = layer.view_for(ROPE)
+    assert cpu_kernel.supports(view, q, mask) and (view.rope is not None) == (rope == "pre")
+    got = cpu_kernel.decode_attention(view, q, mask, D**-0.5)
+    assert got.dtype == dtype
+    ours = decode_attention_torch(layer.view_for(PLAIN), q, mask, D**-0.5)
+    tol = 1e-3 if dtype == torch.float16 else 1e-2  # one ulp of the output's dtype
+    torch.testing.assert_close(got.float(), ours.float(), rtol=tol, atol=tol)
+    if rope == "post":  # fp32 inside: the same as the PyTorch path on fp32 copies of the same tensors
+        f32 = lambda sv: sv._replace(sink=sv.sink.float(), window=sv.window.float())  # noqa: E731
+        full = cpu_kernel.decode_attention(view._replace(keys=f32(view.keys), values=f32(view.values)), q.float(),
+                                           mask, D**-0.5)  # fmt: skip
+        assert torch.equal(got, full.to(dtype))
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16  # the bits read as the other format
+    wrong = lambda sv: sv._replace(sink=sv.sink.view(other), window=sv.window.view(other))  # noqa: E731
+    bad = cpu_kernel.decode_attention(view._replace(keys=wrong(view.keys), values=wrong(view.values)), q.view(other),
+                                      mask, D**-0.5)  # fmt: skip
+    assert not torch.allclose(bad.float(), got.float(), rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_model_generation_goes_through_the_kernel(tiny_model, dtype, monkeypatch):
+    """fp16 / bf16 tiny Llama: the same greedy tokens with backend=cpu and backend=torch (rope=post and pre), every
+    decode step of every layer through the kernel."""
+    model = tiny_llama().to(dtype)
+    calls = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: calls.append(1) or real(view, *a))
+    ids = torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(12))
+    for rope in ("post", "pre"):
+        out = {}
+        for backend in ("cpu", "torch"):
+            cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                              residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+            out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 20)
+        assert torch.equal(out["cpu"], out["torch"]), rope
+    assert len(calls) == 2 * 19 * model.config.num_hidden_layers
+

@@ -45,12 +45,13 @@ typedef struct {
     int64_t pb, ph, pt;             /* scale/zero strides: batch, head, row */
     int64_t n;                      /* quantized history tokens (positions s .. s + n - 1) */
     int64_t bits, nb, m, group, token_axis;
-    int64_t win, wb, wh, wt, W, w;  /* fp32 window buffer [B, H, W, D]; its last w rows are positions N - w .. N - 1 */
-    int64_t sink, sb, sh, st;       /* fp32 sinks [B, H, >= s, D] */
+    int64_t win, wb, wh, wt, W, w;  /* window buffer [B, H, W, D]; its last w rows are positions N - w .. N - 1 */
+    int64_t sink, sb, sh, st;       /* sinks [B, H, >= s, D] */
+    int64_t xdt;                    /* window and sinks in the model's dtype: 0 fp32, 1 fp16, 2 bf16 */
 } Stream;
 
 typedef struct {
-    int64_t q, qb, qh;              /* fp32 query [B, Hq, (1,) D]: rows at q + b * qb + head * qh, D contiguous */
+    int64_t q, qb, qh;              /* fp32 query (the model's dtype converted in Python: one row per head) [B, Hq, (1,) D]: rows at q + b * qb + head * qh, D contiguous */
     int64_t out, ob, oh;            /* fp32 output [B, Hq, D] */
     int64_t mask, mb;               /* fp32 additive mask [B, N], or 0 */
     int64_t partial;                /* fp32 scratch [B * Hkv * chunks, r, D + 2] */
@@ -79,6 +80,46 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 #endif
+
+/* fp32 -> fp16 bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne: subnormals by an fp32 add of a
+   magic number, which the FPU rounds to nearest even; overflow to inf; NaN stays NaN). */
+static inline uint16_t float_to_half(float f) {
+    uint32_t u, sign;
+    memcpy(&u, &f, sizeof u);
+    sign = u & 0x80000000u;
+    u ^= sign;
+    uint16_t o;
+    if (u >= (127u + 16u) << 23) /* >= 65536 (or inf, NaN): inf or NaN */
+        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    else if (u < 113u << 23) { /* below fp16's normal range: subnormal or zero */
+        const uint32_t magic_u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+        float x, magic;
+        memcpy(&x, &u, sizeof x);
+        memcpy(&magic, &magic_u, sizeof magic);
+        x += magic;
+        memcpy(&u, &x, sizeof u);
+        o = (uint16_t)(u - magic_u);
+    } else {
+        const uint32_t odd = (u >> 13) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+        o = (uint16_t)(u >> 13);
+    }
+    return o | (uint16_t)(sign >> 16);
+}
+
+/* x rounded to the model's dtype (1 fp16, 2 bf16: round to nearest even, as PyTorch's .to(dtype)) and back. */
+static inline void round_to(float *restrict x, int64_t xdt, int64_t D) {
+    if (xdt == 1)
+        for (int64_t d = 0; d < D; d++) x[d] = half_to_float(float_to_half(x[d]));
+    else if (xdt == 2)
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t u;
+            memcpy(&u, x + d, sizeof u);
+            if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u); /* finite: RNE on 16 bits */
+            u &= 0xffff0000u;
+            memcpy(x + d, &u, sizeof u);
+        }
+}
 
 /* out[d] = code(d) * s[d] + z[d] for d < n, codes `shift` bits up in the words of `row` (nb bytes each, byte j
    `plane` bytes below byte 0); s and z either per channel (ds = 1) or one value for all n channels (ds = 0). */
@@ -162,16 +203,31 @@ static inline void history_row(const Stream *st, int64_t b, int64_t h, int64_t t
         deq_run(out, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
 }
 
-/* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (sinks, window) or dequantized into
-   buf (history). */
+/* Row `i` (element offset) of an exact buffer in the model's dtype: fp32 in place, fp16 / bf16 converted into buf
+   (exact: every fp16 and bf16 value is an fp32 value; bf16 is the top half of an fp32). */
+static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64_t D, float *restrict buf) {
+    if (xdt == 0) return (const float *)base + i;
+    const uint16_t *x = (const uint16_t *)base + i;
+    if (xdt == 1)
+        for (int64_t d = 0; d < D; d++) buf[d] = half_to_float(x[d]);
+    else
+        for (int64_t d = 0; d < D; d++) {
+            const uint32_t bits = (uint32_t)x[d] << 16;
+            memcpy(buf + d, &bits, sizeof bits);
+        }
+    return buf;
+}
+
+/* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (fp32 sinks, window), converted into buf
+   (fp16 / bf16 sinks, window) or dequantized into buf (history). */
 static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t p, float *buf,
                                   float *sbuf, float *zbuf, int64_t *group) {
-    if (p < a->s) return (const float *)st->sink + b * st->sb + h * st->sh + p * st->st;
+    if (p < a->s) return exact_row(st->sink, b * st->sb + h * st->sh + p * st->st, st->xdt, a->D, buf);
     if (p < a->s + st->n) {
         history_row(st, b, h, p - a->s, a->D, buf, sbuf, zbuf, group);
         return buf;
     }
-    return (const float *)st->win + b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt;
+    return exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, st->xdt, a->D, buf);
 }
 
 /* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
@@ -237,6 +293,9 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
                 continue;
             }
             rope_row(k, rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
+            /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path re-rotates
+               the window (`rotate` returns the key's dtype), so both attend to the same keys */
+            if (a->k.xdt && p >= a->s + a->k.n) round_to(rbuf, a->k.xdt, D);
             k = rbuf;
         }
         for (int64_t i = 0; i < r; i++)

@@ -41,10 +41,11 @@ from .workspace import workspace
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `Stream.xdt`: the model's dtype
 
 # the C structs `Args` and `Stream`, every field an int64 (pointers as addresses), in this order
 STREAM_FIELDS = (
-    "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st".split()
+    "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st xdt".split()
 )
 ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
@@ -168,7 +169,7 @@ def _stream_fields(sv: StreamView) -> list[int]:
     window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], w]
     sink = sv.sink
     sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
-    return [*hist, *layout, *window, *sinks]
+    return [*hist, *layout, *window, *sinks, DTYPES[sink.dtype]]
 
 
 def _rope_fields(view: DecodeView, N: int) -> list[int]:
@@ -185,18 +186,19 @@ def _rope_fields(view: DecodeView, N: int) -> list[int]:
 
 
 def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
-    """The kernel reads fp32 sinks and windows (an fp32 model on the CPU), masks shared by the query heads, and
-    rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch path (same
-    results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt without it,
-    `kvq_lab.cache.attention` does)."""
+    """The kernel reads sinks and windows in an fp32, fp16 or bf16 model's dtype on the CPU, masks shared by the
+    query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
+    path (same results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt
+    without it, `kvq_lab.cache.attention` does)."""
     B, Hq, _, D = query.shape
     sink = view.keys.sink
     Hkv = sink.shape[1]
     rope = view.rope
     return (
         query.device.type == "cpu"
-        and query.dtype == sink.dtype == torch.float32
-        and query.stride(-1) == 1
+        and query.dtype == sink.dtype == view.keys.window.dtype == view.values.window.dtype
+        and sink.dtype in DTYPES
+        and sink.stride(-1) == view.values.sink.stride(-1) == 1
         and D <= MAX_D
         and Hq // Hkv <= MAX_R
         and (mask is None or _additive_mask(mask, B, view.N) is not False)
@@ -219,8 +221,9 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
 
 
 def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """`decode_attention_torch`'s twin over packed K/V: query [B, Hq, 1, D] -> [B, 1, Hq, D]. A view with rope=pre
-    keys (`view.rope`) is rotated in the kernel."""
+    """`decode_attention_torch`'s twin over packed K/V: query [B, Hq, 1, D] -> [B, 1, Hq, D] in the query's dtype.
+    A view with rope=pre keys (`view.rope`) is rotated in the kernel. fp16 / bf16 models: sinks and windows are
+    converted row by row in the kernel; the query (one row per head) here, and the fp32 output back."""
     check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
     N = view.N
@@ -233,6 +236,9 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         return decode_attention_torch(view, query, mask, scaling)
     add = _additive_mask(mask, B, N)
     Hkv = view.keys.sink.shape[1]
+    dtype = query.dtype
+    if dtype != torch.float32 or query.stride(-1) != 1:
+        query = query.float().contiguous()
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
     partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
@@ -248,4 +254,4 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
             f"{bad} rope=pre key rows have position ids outside the RopeView table "
             f"[0, {view.rope.cos.shape[0]}): build the table over every id in RopeView.pos"
         )
-    return out.view(B, 1, Hq, D)
+    return out.view(B, 1, Hq, D).to(dtype)
