@@ -25,6 +25,7 @@ NAMES = {  # cache label -> the row's name in the issue's words
     "K2b-T32_V2b-T32_pac_R128_preRoPE_Krkv32": "int2 K-T + rotatekv:32 pre-RoPE (per head)",
     "K2b-T32_V2b-T32_pac_R128_Kinnerq": "int2 K-T + innerq",
     "K2b-T32_V2b-T32_pac_R128_Kinnerq0.5": "int2 K-T + innerq:0.5 (partial scale)",
+    "K2b-T32_V2b-T32_pac_R128_Kinnerq0.25": "int2 K-T + innerq:0.25 (partial scale)",
 }
 
 
