@@ -202,3 +202,90 @@ def test_half_model_generation_goes_through_the_kernel(tiny_model, dtype, monkey
         assert torch.equal(out["cpu"], out["torch"]), rope
     assert len(calls) == 2 * 19 * model.config.num_hidden_layers
 
+
+# --- left-padded batches ----------------------------------------------------------------------------------------
+
+# (key spec, value spec, R, sinks, rope, pads per row, prompt length, tokens)
+PAD_CASES = [
+    ((2, 32, "channel"), (2, 32, "token"), 32, 2, "post", [0, 5, 40, 77], 120, 330),  # batch 4, chunk boundary
+    ((3, 32, "token"), (2, 16, "channel"), 0, 3, "pre", [9, 0, 70], 75, 200),  # a row shorter than R's groups
+    ((2, 32, "channel"), (4, 32, "token"), 64, 4, "pre", [0, 110, 2], 113, 260),  # a row of 3 tokens < sinks
+]
+
+
+@pytest.mark.parametrize("case", PAD_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}-R{c[2]}-S{c[3]}-{c[4]}-B{len(c[5])}")
+def test_padded_batch_in_the_kernel_matches_attention_over_the_padded_cache(case):
+    """A left-padded batch: each row read with its own padding, sinks, history and window (per-row starts and
+    counts), rope=pre keys at each row's own position ids, against SDPA over the materialized cache (what decode
+    attention over a padded batch is without the kernel) with the padding mask: within fp32 rounding, and within
+    twice its error of fp64. Reading the same view as if unpadded must differ (the oracle can fail)."""
+    key, value, R, S, rope, pads, L, T = case
+    B, D, r = len(pads), 64, 3
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend="cpu", rope=rope)  # fmt: skip
+    padding = PaddingState()
+    real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]  # [B, L] 0...0 1...1
+    padding.prompt_mask = real.long()
+    layer = PackedLayer(cfg, rotary(D), padding)
+    ids = (real.cumsum(1) - 1).clamp(min=0)  # the position ids generate gives a left-padded prompt
+    g = torch.Generator().manual_seed(L + T)
+    k, v = torch.randn(B, 2, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)
+    k[..., 7] *= 8
+    layer.update(k[:, :, :L], v[:, :, :L], position_ids=ids)
+    checked, err_kernel, err_torch = 0, 0.0, 0.0
+    for N in range(L, T):
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1], position_ids=ids[:, -1:] + 1 + N - L)
+        if (N - L) % 53 and N != T - 1:
+            continue
+        view = layer.decode_view()
+        assert view.pads is not None and (view.rope is not None) == (rope == "pre")
+        q = torch.randn(B, 2 * r, 1, D, generator=g) * 2
+        scale = D**-0.5
+        K, V = layer.materialize()
+        valid = torch.cat([real, torch.ones(B, N + 1 - L, dtype=torch.bool)], 1)[:, None, None, :]  # [B, 1, 1, N]
+        for mask in (valid, torch.where(valid, torch.randn(B, 1, 1, N + 1, generator=g), float("-inf"))):
+            got = cpu_kernel.decode_attention(view, q, mask, scale)
+            ref = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=scale,
+                                                                   enable_gqa=True).transpose(1, 2)  # fmt: skip
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+            exact = fp64_attention(q, K, V, mask, scale)
+            err_kernel = max(err_kernel, (got.double() - exact).abs().max().item())
+            err_torch = max(err_torch, (ref.double() - exact).abs().max().item())
+            checked += 1
+        unpadded = view._replace(pads=torch.zeros_like(view.pads))
+        assert (cpu_kernel.decode_attention(unpadded, q, valid, scale) - got).abs().max() > 1e-2
+    assert checked >= 6
+    assert err_kernel <= 2 * err_torch + 5e-6, (err_kernel, err_torch)
+
+
+@pytest.mark.parametrize("rope", ["post", "pre"])
+def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch):
+    """A left-padded batch of 4 prompts generates with backend=cpu what it generates with backend=torch (which
+    materializes the padded cache for the model's SDPA), and what changed is measured: every decode step of every
+    layer reaches the kernel with a padded view, and the mask the model hands it is one row per batch row
+    ([B, 1, 1, N], no per-head mask: nothing falls back)."""
+    calls, masks = [], set()
+    real = cpu_kernel.decode_attention
+
+    def spy(view, q, mask, scaling):
+        calls.append(view.pads is not None)
+        masks.add(None if mask is None else tuple(mask.shape[:3]))
+        return real(view, q, mask, scaling)
+
+    monkeypatch.setattr(cpu_kernel, "decode_attention", spy)
+    g = torch.Generator().manual_seed(13)
+    lengths = [70, 41, 66, 12]
+    ids = torch.randint(3, 256, (4, 70), generator=g)
+    mask = (torch.arange(70)[None] >= 70 - torch.tensor(lengths)[:, None]).long()
+    ids = ids * mask  # pad token 0 on the left
+    out = {}
+    for backend in ("cpu", "torch"):
+        cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                          residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+        cache = QuantizedKVCache.for_model(tiny_model, cfg)
+        cache.set_padding(mask)
+        out[backend] = gen(tiny_model, cache, ids, 24, mask=mask)
+    assert torch.equal(out["cpu"], out["torch"])
+    assert len(calls) == 23 * tiny_model.config.num_hidden_layers and all(calls)
+    assert masks <= {(4, 1, 1)}, masks
+

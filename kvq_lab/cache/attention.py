@@ -9,8 +9,10 @@ e.g. hadamard) is applied here, around the kernel, which stays unaware of it: ke
 query q M (q M · k M = q · k); values stored as v M give the output (A v) M, mapped back with M^T. Once per decode
 step each, whatever the cache length. rope_pre alone on the keys, with a backend that reads `rope` (the CPU kernel),
 is undone in the kernel: the view carries the codes and a cos/sin table, and each key row is rotated at its position
-as it is read. Any other pipeline that does not fold comes undone in the layer's view (history dequantized and
-re-rotated), which only the PyTorch path reads.
+as it is read. Left-padded batches reach the kernel too where the backend reads per-row layouts (`rows`); where it
+cannot take a step (a mask per query head, say), the layer's K/V are materialized for the model's SDPA. Any other
+pipeline that does not fold comes undone in the layer's view (history dequantized and re-rotated), which only the
+PyTorch path reads.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     kp, vp = layer.k_pipe, layer.v_pipe
     view = layer.decode_view()  # with the extensions the layer's backend reads (`Backend.features`)
     backend = layer.backend
-    if view.rope is not None and not backend.supports(view, query, attention_mask):
+    if (view.rope is not None or view.pads is not None) and not backend.supports(view, query, attention_mask):
+        if view.pads is not None:  # a padded batch the kernel cannot take here: the model's SDPA over full K/V
+            k, v = layer.materialize()
+            return sdpa_attention_forward(
+                module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history instead
     # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
     undone = view.keys.history is not None or view.values.history is not None

@@ -5,7 +5,7 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
     dequantize(codes, scale, zero, spec, n)     fp32 [B, H, n, D] of storage positions [0, n)
     decode_attention(view, query, mask, scaling)  one decode step over a `DecodeView` -> [B, 1, Hq, D]
     features                                    the `DecodeView` extensions its decode_attention reads (`rope`:
-                                                rope=pre keys rotated in the kernel)
+                                                rope=pre keys rotated in the kernel; `rows`: left-padded batches)
     supports(view, query, mask)                 whether decode_attention takes this view, query and mask (a view
                                                 with an extension it cannot take is rebuilt without it)
 
@@ -54,7 +54,8 @@ class TorchBackend:
 
     @staticmethod
     def supports(view, query, mask) -> bool:
-        return view.rope is None  # rope=pre keys only as a dequantized, rotated history (`view.keys.history`)
+        # rope=pre keys only as a dequantized, rotated history (`view.keys.history`); padded batches materialized
+        return view.rope is None and view.pads is None
 
     @staticmethod
     def quantize(x, spec, valid):
@@ -80,7 +81,7 @@ class CpuBackend(TorchBackend):
     (`kvq_lab.kernels.cpu_kernel`, compiled on first use)."""
 
     name = "cpu"
-    features = frozenset({"rope"})
+    features = frozenset({"rope", "rows"})
 
     @staticmethod
     def supports(view, query, mask) -> bool:

@@ -27,8 +27,9 @@ batched arithmetic (masked SDPA over padding, batched matmuls) reproduces the si
 tests; a last-bit difference there could in principle flip a code or a near-tied greedy token.
 Per-token groups never span tokens, so they need no alignment: their history and window are
 indexed by absolute position for all rows (a row's padding and sink positions hold unused zero codes). Pad
-positions never enter a group's min/max. Ragged batches assemble full K/V per step with one gather (slower than
-the batch-1 path, exact); the fused decode path (next paragraph) serves unpadded batches.
+positions never enter a group's min/max. A backend that reads per-row layouts (`rows`: the CPU kernel) decodes ragged
+batches on the fused path (next paragraph), each row read with its own padding, sinks, history and window; others
+assemble full K/V per step with one gather (slower than the batch-1 path, exact).
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
 `kvq_sdpa` (`kvq_lab.cache.attention`), which hands ordinary tensors to SDPA unchanged and, on decode steps,
@@ -174,7 +175,7 @@ class PackedLayer(QuantizedLayerBase):
                 self._step(key_states[:, :, one], tk[:, :, one], value_states[:, :, one], tv[:, :, one])
             return self.materialize()
         self._step(key_states, tk, value_states, tv)
-        if self.fused and self.uniform and self.k_stream.quantized and self.v_stream.quantized:
+        if self.fused and self.k_stream.quantized and self.v_stream.quantized and (self.uniform or self._rows_fused):
             handle = PackedKV(self)
             return handle, handle
         return self.materialize()
@@ -213,8 +214,8 @@ class PackedLayer(QuantizedLayerBase):
         return pipe.inverse(x, self.positions(x, ids))
 
     def decode_view(self) -> DecodeView:
-        """Rows without padding, both streams quantized: the stored segments as plain tensors for the kernels, with
-        the extensions this layer's backend reads (see the module docstring for what transforms change)."""
+        """Both streams quantized: the stored segments as plain tensors for the kernels, with the extensions this
+        layer's backend reads (see the module docstring for what transforms change; a padded batch needs `rows`)."""
         return self.view_for(self.backend.features)
 
     def view_for(self, features: frozenset[str]) -> DecodeView:
@@ -222,7 +223,26 @@ class PackedLayer(QuantizedLayerBase):
         rope = self._rope_view() if "rope" in features else None
         k = self._stream_view(self.k_stream, self.sink_k, None if rope is not None else self.k_pipe)
         v = self._stream_view(self.v_stream, self.sink_v, self.v_pipe)
-        return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope)
+        pads = None if self.uniform else torch.tensor(self.pads, device=self.sink_k.device)
+        return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope, pads)
+
+    @property
+    def _rows_fused(self) -> bool:
+        """A left-padded batch decodes through the backend's kernel: it reads per-row layouts (`rows`), and nothing
+        is left to undo on a dequantized history (no sparse outliers; transforms fold, or rope=pre in the kernel).
+        Else `update` returns the materialized K/V (the model's SDPA over the padded batch)."""
+        ok = self.__dict__.get("_rows_ok")
+        if ok is None:
+            kp, vp = self.k_pipe, self.v_pipe
+            ok = (
+                "rows" in self.backend.features
+                and self.k_stream.store.outliers is None
+                and self.v_stream.store.outliers is None
+                and (vp is None or vp.foldable)
+                and (kp is None or kp.foldable or ("rope" in self.backend.features and self._rope_view() is not None))
+            )
+            self._rows_ok = ok
+        return ok
 
     def _rope_view(self) -> RopeView | None:
         """Keys under rope_pre alone (values: no transform or a foldable one), a model whose RoPE tabulates: the
@@ -241,8 +261,9 @@ class PackedLayer(QuantizedLayerBase):
             return stream.view(N, sink, self.pads, None)
         if pipe.foldable:
             # attention runs in the pipeline's basis (kvq_sdpa maps the query and the output): history and window
-            # are stored in it, the exact sinks are mapped into it for this step (a few tokens)
-            s = min(self.cfg.sink_tokens, N)
+            # are stored in it, the exact sinks are mapped into it for this step (a few tokens; a padded row's sinks
+            # are its own first tokens, all S of them mapped)
+            s = min(self.cfg.sink_tokens, N) if self.uniform else self.cfg.sink_tokens
             return stream.view(N, pipe.forward(sink[:, :, :s]) if s else sink, self.pads, None)
         # undone for the PyTorch path: the history as it is dequantized (the stream calls back), then the window
         sv = stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))

@@ -5,7 +5,8 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     step(x, N, pads, owns)       one decode token [B, H, 1, D] at absolute position N
     n_quantized(N)               quantized history tokens (the furthest row)
     materialize(N, sink, pads, rotate)   full [B, H, N, D]: sinks exact, history dequantized, window exact
-    view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (rows without padding)
+    view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (a padded batch: with per-row
+                                 `starts` and `counts`, see `kvq_lab.kernels.view`)
     nbytes()                     bytes held
     quantized                    whether the stream stores codes (False: the exact 16-bit stream)
 
@@ -79,6 +80,10 @@ class _QuantizedStream(ABC):
     def n_quantized(self, N: int) -> int: ...
 
     @abstractmethod
+    def _rows(self, N: int, pads: list[int]) -> tuple[list[int], list[int]]:
+        """Padded batch: per row, the absolute position of storage position 0 and the quantized history tokens."""
+
+    @abstractmethod
     def _slots(self, a: torch.Tensor, j: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded batch: per absolute position a [B, N] (j: index among the row's real tokens), its storage
         position and whether it is quantized history: ([B, N], [B, N] bool)."""
@@ -95,9 +100,17 @@ class _QuantizedStream(ABC):
         st = self.store
         # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers): dequantized here
         deq = self.history(q, pads, rotate) if (rotate is not None or st.outliers is not None) and q else None
+        w, starts, counts = max(0, N - self.S) - q, None, None
+        if any(pads):  # per-row layouts: the kernel reads each row's own (codes are never dequantized here)
+            if deq is not None:
+                raise ValueError("a padded batch's view carries codes only: build it without transforms to undo")
+            first, n = self._rows(N, pads)
+            dev = self.window.device
+            starts, counts = torch.tensor(first, device=dev), torch.tensor(n, device=dev)
+            w = self.window.shape[2]  # rows hold positions by absolute position; each row reads its own
         return StreamView(
-            sink, st.codes, st.scale, st.zero, q, self.window, max(0, N - self.S) - q,
-            st.bits, self.spec.group_size, self.spec.axis, deq, st.table,
+            sink, st.codes, st.scale, st.zero, q, self.window, w,
+            st.bits, self.spec.group_size, self.spec.axis, deq, st.table, starts, counts,
         )  # fmt: skip
 
     def materialize(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> torch.Tensor:
@@ -177,6 +190,9 @@ class SlidingStream(_QuantizedStream):
         if self.R:
             self.window = both[:, :, 1:]
 
+    def _rows(self, N, pads):
+        return [self.S] * len(pads), [self.n_quantized(N)] * len(pads)
+
     def _slots(self, a, j, N):
         return a - self.S, a < N - self.R
 
@@ -235,6 +251,9 @@ class FillStream(_QuantizedStream):
     def slot_positions(self, q, pads, device):
         """Row b's storage position t is absolute position p_b + S + t."""
         return torch.tensor(pads, device=device)[:, None] + self.S + torch.arange(q, device=device)
+
+    def _rows(self, N, pads):
+        return [p + self.S for p in pads], list(self.q)
 
     def _slots(self, a, j, N):
         hidx = j - self.S

@@ -20,6 +20,11 @@ least significant first, as nb little-endian bytes in nb byte planes of m rows:
     byte j of word (blk, r, d) = codes[blk * nb * m + j * m + r][d]
 Parameters are fp16: per-token groups [T, D/G], per-channel groups [T/G, D].
 
+Left-padded batches (kvq_lab/kernels/view.py): row b has pads[b] padding positions first (never read: score -inf,
+weight 0), then its own sinks (j = p - pads[b] < s), then its stream positions; a stream's storage position of
+absolute position p is p - starts[b], history while below counts[b], else the window row of p. Without padding,
+pads = 0, starts = s and counts = n for every row, the layout this kernel had before.
+
 rope=pre (keys quantized before RoPE, KVQuant): history and window keys are stored pre-RoPE; each key row after the
 sinks is rotated at its position id just before its dot products (`rope_row`), from a shared table of the model's
 cos/sin at every position id ([P, D/2], the halves of transformers' duplicated cos/sin), in the reference's order
@@ -48,6 +53,7 @@ typedef struct {
     int64_t win, wb, wh, wt, W, w;  /* window buffer [B, H, W, D]; its last w rows are positions N - w .. N - 1 */
     int64_t sink, sb, sh, st;       /* sinks [B, H, >= s, D] */
     int64_t xdt;                    /* window and sinks in the model's dtype: 0 fp32, 1 fp16, 2 bf16 */
+    int64_t starts, counts;         /* padded batches: int64 [B] per row storage offset and history tokens, or 0 */
 } Stream;
 
 typedef struct {
@@ -59,6 +65,7 @@ typedef struct {
     int64_t chunk;                  /* positions per task (<= KVQ_MAX_CHUNK) */
     int64_t rcos, rsin, P;          /* rope=pre: fp32 cos/sin tables [P, D/2], or 0 (keys stored as attended) */
     int64_t pos, pb;                /* rope=pre: int32 position ids [B, >= N], row stride pb */
+    int64_t pads;                   /* padded batches: int64 [B] padding positions per row, or 0 (none) */
     Stream k, v;
 } Args;
 
@@ -218,15 +225,24 @@ static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64
     return buf;
 }
 
-/* Position p (0 <= p < N) of one stream at (b, h): D floats, read in place (fp32 sinks, window), converted into buf
-   (fp16 / bf16 sinks, window) or dequantized into buf (history). */
-static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t p, float *buf,
-                                  float *sbuf, float *zbuf, int64_t *group) {
-    if (p < a->s) return exact_row(st->sink, b * st->sb + h * st->sh + p * st->st, st->xdt, a->D, buf);
-    if (p < a->s + st->n) {
-        history_row(st, b, h, p - a->s, a->D, buf, sbuf, zbuf, group);
+enum { KVQ_SINK, KVQ_HISTORY, KVQ_WINDOW };
+
+/* Position p (0 <= p < N; j = p - pads[b] >= 0, its index among row b's real tokens) of one stream at (b, h): D
+   floats, read in place (fp32 sinks, window), converted into buf (fp16 / bf16 sinks, window) or dequantized into
+   buf (history). *kind says which segment it came from. */
+static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t p, int64_t j,
+                                  float *buf, float *sbuf, float *zbuf, int64_t *group, int *kind) {
+    if (j < a->s) {
+        *kind = KVQ_SINK;
+        return exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, st->xdt, a->D, buf);
+    }
+    const int64_t t = p - (st->starts ? ((const int64_t *)st->starts)[b] : a->s);
+    if (t < (st->counts ? ((const int64_t *)st->counts)[b] : st->n)) {
+        *kind = KVQ_HISTORY;
+        history_row(st, b, h, t, a->D, buf, sbuf, zbuf, group);
         return buf;
     }
+    *kind = KVQ_WINDOW;
     return exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, st->xdt, a->D, buf);
 }
 
@@ -283,10 +299,15 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
     const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
     const int32_t *pos = a->pos ? (const int32_t *)a->pos + b * a->pb : 0;
+    const int64_t pad = a->pads ? ((const int64_t *)a->pads)[b] : 0;
+    const int64_t q0 = p0 > pad ? p0 : pad;  /* positions before q0 are row b's padding: weight 0, never read */
     int64_t group = -1;
-    for (int64_t p = p0; p < p1; p++) {
-        const float *k = kv_row(a, &a->k, b, h, p, buf, sbuf, zbuf, &group);
-        if (rcos && p >= a->s) {  /* a pre-RoPE key (history or window): rotate it at its position id */
+    int kind;
+    for (int64_t p = p0; p < q0; p++)
+        for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = -INFINITY;
+    for (int64_t p = q0; p < p1; p++) {
+        const float *k = kv_row(a, &a->k, b, h, p, p - pad, buf, sbuf, zbuf, &group, &kind);
+        if (rcos && kind != KVQ_SINK) {  /* a pre-RoPE key (history or window): rotate it at its position id */
             const int64_t id = pos[p];
             if (id < 0 || id >= a->P) {  /* outside the table: counted, and the call's result is refused */
                 bad++;
@@ -295,7 +316,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
             rope_row(k, rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
             /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path re-rotates
                the window (`rotate` returns the key's dtype), so both attend to the same keys */
-            if (a->k.xdt && p >= a->s + a->k.n) round_to(rbuf, a->k.xdt, D);
+            if (a->k.xdt && kind == KVQ_WINDOW) round_to(rbuf, a->k.xdt, D);
             k = rbuf;
         }
         for (int64_t i = 0; i < r; i++)
@@ -313,8 +334,8 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
         for (int64_t d = 0; d < D; d++) pi[2 + d] = 0.0f;
     }
     group = -1;
-    for (int64_t p = p0; p < p1; p++) {
-        const float *v = kv_row(a, &a->v, b, h, p, buf, sbuf, zbuf, &group);
+    for (int64_t p = q0; p < p1; p++) {
+        const float *v = kv_row(a, &a->v, b, h, p, p - pad, buf, sbuf, zbuf, &group, &kind);
         for (int64_t i = 0; i < r; i++) {
             float *restrict acc = part + i * (D + 2) + 2;
             const float w = sc[i * T + (p - p0)];

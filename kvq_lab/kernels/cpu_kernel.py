@@ -46,8 +46,9 @@ DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `Stream.xdt`
 # the C structs `Args` and `Stream`, every field an int64 (pointers as addresses), in this order
 STREAM_FIELDS = (
     "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st xdt".split()
+    + ["starts", "counts"]
 )
-ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb".split()
+ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb pads".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
 
 # the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries: every code format
@@ -169,7 +170,8 @@ def _stream_fields(sv: StreamView) -> list[int]:
     window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], w]
     sink = sv.sink
     sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
-    return [*hist, *layout, *window, *sinks, DTYPES[sink.dtype]]
+    rows = [0, 0] if sv.starts is None else [sv.starts.data_ptr(), sv.counts.data_ptr()]
+    return [*hist, *layout, *window, *sinks, DTYPES[sink.dtype], *rows]
 
 
 def _rope_fields(view: DecodeView, N: int) -> list[int]:
@@ -183,6 +185,16 @@ def _rope_fields(view: DecodeView, N: int) -> list[int]:
     if not ok or cos.shape != sin.shape or cos.shape[-1] != D // 2 or pos.shape[-1] < N:
         raise ValueError(f"RopeView: cos/sin must be contiguous fp32 [P, D/2 = {D // 2}] and pos [B, >= N = {N}]")
     return [cos.data_ptr(), sin.data_ptr(), cos.shape[0], pos.data_ptr(), pos.stride(0)]
+
+
+def _pads_field(view: DecodeView, B: int) -> int:
+    """pads of the C `Args`: int64 [B] padding positions per row (with every stream's starts and counts), or 0."""
+    if view.pads is None:
+        return 0
+    rows = (view.pads, view.keys.starts, view.keys.counts, view.values.starts, view.values.counts)
+    if any(t is None or t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous() for t in rows):
+        raise ValueError(f"a padded DecodeView needs contiguous int64 [B = {B}] pads, starts and counts")
+    return view.pads.data_ptr()
 
 
 def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
@@ -245,7 +257,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     args = _ArgBlock(
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
-        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N),
+        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
         *_stream_fields(view.keys), *_stream_fields(view.values),
     )  # fmt: skip
     bad = load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
