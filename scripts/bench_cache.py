@@ -1,29 +1,51 @@
 """Decode speed and memory of KV caches, side by side, on one model and prompt (CPU or GPU).
 
-    python scripts/bench_cache.py                      # SmolLM2-135M, prompts of 512 and 4096 tokens
-    python scripts/bench_cache.py --lengths 512 --repeats 2 --new-tokens 24
+    python scripts/bench_cache.py                      # SmolLM2-135M, prompts of 512, 4096 and 8192 tokens
+    python scripts/bench_cache.py --json cache_speed.json   # the same, and one JSON object per row
+    python scripts/bench_cache.py --quick              # a short smoke run (256 tokens, 1 repeat, 12 new tokens)
+    python scripts/bench_cache.py --lengths 512 --repeats 2 --new-tokens 24 --settings fp32-b1
 
+Settings (`--settings`): the model's dtype and batch. `fp32-b1` (the full comparison), `bf16-b1` (the model in bf16)
+and `fp32-b4` (a left-padded batch of 4 prompts of L, 7L/8, 6L/8 and 5L/8 tokens, L the prompt length). Each setting
+has its own DynamicCache row, the baseline of its `ratio`.
 Caches: DynamicCache (fp), ours packed (2-bit, K per-channel, V per-token, G=32, R=128) with the default backend
-(`auto`: the C kernel on CPU, Triton on CUDA) and with the pure-PyTorch path (`backend=torch`), ours simulated
-(same quantizers, fake quant), ours recompute (XQuant-like: the attention input X projected on `--recompute-rank`
+(`auto`: the C kernel on CPU, Triton on CUDA) for rope=post and rope=pre, with the pure-PyTorch path
+(`backend=torch`), and with FP8 E4M3 codes (K per-channel, V per-token, same G and R); ours simulated (same
+quantizers, fake quant), ours recompute (XQuant-like: the attention input X projected on `--recompute-rank`
 singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K and V rebuilt at every step), and
 transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
-default axes, 0). Runs are interleaved (cache A, B, C, ..., then again)
-so that load from other processes hits every cache alike; each figure is the median over repeats.
+default axes, 0). The bf16 and batch-4 settings run DynamicCache and ours packed (auto, rope=post and pre).
+Runs are interleaved (cache A, B, C, ..., then again) so that load from other processes hits every cache alike;
+each figure is the median over repeats.
 
-Decode tokens/s: greedy steps after `--warmup` steps, each step one forward of one token, prefill excluded.
-Prefill is timed on its own. Peak cache bytes: the largest size the cache reached during the run (walked
-tensors, counted once each); "fp16" is the same tokens as an fp16 K/V cache. For ours, "arith" is the size the
-storage arithmetic predicts from the token counts: quantized elements at bits + 32/G bits each (fp16 scale and
-zero per group of G), sinks and the fixed R-token fp windows at the model dtype's size.
+Decode tokens/s: greedy steps after `--warmup` steps, each step one forward of one token per row (batch rows
+count once: a step of batch 4 is 4 tokens), prefill excluded. Prefill is timed on its own. Peak cache bytes: the
+largest size the cache reached during the run (walked tensors, counted once each); "fp16" is the same tokens as an
+fp16 K/V cache. For ours packed, "arith" is the size the storage arithmetic predicts from the token counts:
+quantized elements at the format's code bits + 16 bits per stored parameter per group of G (int: scale and zero;
+fp8: scale), sinks and the fixed R-token windows at the model dtype's size, and rope=pre's position ids (int32).
+
+`--json PATH` writes {"rows": [...]}, one object per cache, setting and prompt length, with the keys
+    kind      dynamic | ours_packed | ours_simulated | ours_recompute | quanto | hqq
+    label     the row's name in the tables          backend  auto's choice, torch, ... (null: not ours)
+    rope      post | pre                            dtype    float32 | bfloat16 (the model's)
+    batch     rows decoded together                 format   int | fp8_e4m3 (null: DynamicCache)
+    length    prompt tokens (the padded length for a batch)
+    tok_s     decode tokens/s (median)              ratio    tok_s / DynamicCache's at the same length, dtype, batch
+    prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat)
+    measured_over_arith  peak bytes / storage arithmetic (ours packed; else null)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, QuantizedCache
@@ -31,6 +53,7 @@ from transformers import DynamicCache, QuantizedCache
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
 from kvq_lab.models import cache_kwarg, load_model
+from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 
 TEXT = (
@@ -41,27 +64,54 @@ TEXT = (
 )
 
 
-def make_caches(model, bits: int, G: int, R: int, rank: int = 128) -> dict:
-    """name -> factory of a fresh cache."""
+@dataclass
+class Row:
+    """One cache of the benchmark: its JSON fields and a factory of fresh caches."""
+
+    kind: str
+    label: str
+    make: Callable
+    backend: str | None = None
+    rope: str = "post"
+    format: str | None = "int"
+
+
+SETTINGS = {"fp32-b1": (torch.float32, 1), "bf16-b1": (torch.bfloat16, 1), "fp32-b4": (torch.float32, 4)}
+
+
+def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = True) -> list[Row]:
+    """The rows of one setting; `full`: every cache (else DynamicCache and ours packed, rope=post and pre)."""
     spec_k, spec_v = QuantSpec(bits, G, "channel"), QuantSpec(bits, G, "token")
-    packed = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R)  # backend=auto, the default
-    packed_torch = CacheConfig(key=spec_k, value=spec_v, mode="packed", residual_length=R, backend="torch")
+    auto = get_backend("auto").name
+
+    def packed(backend="auto", rope="post", k=spec_k, v=spec_v):
+        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend=backend, rope=rope)
+        return lambda: QuantizedKVCache.for_model(model, cfg)
+
+    name = f"ours packed {bits}b K-C V-T G{G} R{R}"
+    rows = [
+        Row("dynamic", "DynamicCache", lambda: DynamicCache(config=model.config), format=None),
+        Row("ours_packed", f"{name} ({auto})", packed(), auto),
+        Row("ours_packed", f"{name} preRoPE ({auto})", packed(rope="pre"), auto, "pre"),
+    ]
+    if not full:
+        return rows
+    fp8_k, fp8_v = (QuantSpec(8, G, ax, format="fp8_e4m3") for ax in ("channel", "token"))
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
     # one tensor (X's projection) under the key quantizer: the value spec must equal it
     recompute = CacheConfig(key=spec_k, value=spec_k, mode="recompute", residual_length=R, recompute_rank=rank)
     hf = dict(nbits=bits, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)
-    auto = get_backend("auto").name
-    return {
-        "DynamicCache": lambda: DynamicCache(config=model.config),
-        f"ours packed {bits}b K-C V-T G{G} R{R} ({auto})": lambda: QuantizedKVCache.for_model(model, packed),
-        f"ours packed {bits}b K-C V-T G{G} R{R} (torch)": lambda: QuantizedKVCache.for_model(model, packed_torch),
-        f"ours simulated {bits}b K-C V-T G{G}": lambda: QuantizedKVCache.for_model(model, simulated),
-        f"ours recompute {bits}b X-C G{G} R{R} rank {rank} ({auto})": lambda: QuantizedKVCache.for_model(
-            model, recompute
-        ),
-        f"HF quanto {bits}b G{G} R{R}": lambda: QuantizedCache("quanto", model.config, **hf),
-        f"HF hqq {bits}b G{G} R{R}": lambda: QuantizedCache("hqq", model.config, **hf),
-    }
+    return rows + [
+        Row("ours_packed", f"{name} (torch)", packed("torch"), "torch"),
+        Row("ours_packed", f"ours packed fp8_e4m3 K-C V-T G{G} R{R} ({auto})", packed(k=fp8_k, v=fp8_v), auto,
+            format="fp8_e4m3"),
+        Row("ours_simulated", f"ours simulated {bits}b K-C V-T G{G}",
+            lambda: QuantizedKVCache.for_model(model, simulated), "torch"),
+        Row("ours_recompute", f"ours recompute {bits}b X-C G{G} R{R} rank {rank} ({auto})",
+            lambda: QuantizedKVCache.for_model(model, recompute), auto),
+        Row("quanto", f"HF quanto {bits}b G{G} R{R}", lambda: QuantizedCache("quanto", model.config, **hf)),
+        Row("hqq", f"HF hqq {bits}b G{G} R{R}", lambda: QuantizedCache("hqq", model.config, **hf)),
+    ]  # fmt: skip
 
 
 def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
@@ -110,89 +160,152 @@ def arithmetic_bytes(cache: QuantizedKVCache) -> int:
         el = layer.sink_k.element_size()
         N, S = layer.N, layer.cfg.sink_tokens
         for stream in (layer.k_stream, layer.v_stream):
-            spec = stream.spec
-            q = stream.n_quantized(N) if hasattr(stream, "n_quantized") else max(stream.q)
-            total += B * H * D * (q * (spec.bits + 32 / spec.group_size) / 8 + stream.window.shape[2] * el)
+            spec, fmt = stream.spec, code_format(stream.spec)
+            q = stream.n_quantized(N)
+            per_element = fmt.code_bits + 16 * len(fmt.params) / spec.group_size
+            total += B * H * D * (q * per_element / 8 + stream.window.shape[2] * el)
         total += 2 * B * H * S * D * el
+        if layer._pos is not None:  # rope=pre: the position ids the keys are re-rotated at
+            total += layer._pos.numel() * layer._pos.element_size()
     return int(total)
 
 
+def batch_prompt(text_ids: torch.Tensor, L: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """ids [batch, L] and attention mask (None for batch 1): row i holds L - i L/8 tokens of the text (starting i*97
+    tokens in, so rows differ), left-padded to L."""
+    if batch == 1:
+        return text_ids[:, :L], None
+    ids = torch.zeros(batch, L, dtype=text_ids.dtype)
+    mask = torch.zeros(batch, L, dtype=torch.long)
+    for i in range(batch):
+        n = L - i * L // 8
+        ids[i, L - n :] = text_ids[0, i * 97 : i * 97 + n]
+        mask[i, L - n :] = 1
+    return ids, mask
+
+
 @torch.no_grad()
-def run_once(model, make, ids, new_tokens: int, warmup: int) -> dict:
+def run_once(model, make, ids, mask, new_tokens: int, warmup: int) -> dict:
+    """Prefill ids [B, L] (mask: left padding, or None), then `new_tokens` greedy steps of one token per row."""
     cache = make()
+    kw = {cache_kwarg(): cache, "use_cache": True}
+    pos = None
+    if mask is not None:  # a left-padded batch: the mask and the position ids generate would pass
+        if isinstance(cache, QuantizedKVCache):
+            cache.set_padding(mask)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        kw.update(attention_mask=mask, position_ids=pos)
     t0 = time.perf_counter()
-    out = model(ids, **{cache_kwarg(): cache}, use_cache=True)
+    out = model(ids.to(model.device), **kw)
     prefill = time.perf_counter() - t0
     nxt = out.logits[:, -1:].argmax(-1)
     peak = cache_bytes(cache)
     steps = []
-    tokens = [nxt.item()]
+    tokens = [nxt[:, 0].tolist()]
     for _ in range(new_tokens):
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+            pos = pos[:, -1:] + 1
+            kw.update(attention_mask=mask, position_ids=pos)
         t0 = time.perf_counter()
-        out = model(nxt, **{cache_kwarg(): cache}, use_cache=True)
+        out = model(nxt, **kw)
         nxt = out.logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - t0)
-        tokens.append(nxt.item())
+        tokens.append(nxt[:, 0].tolist())
         b = cache_bytes(cache)
         if b[0] > peak[0]:
             peak = b
     timed = steps[warmup:]
-    res = {"prefill_s": prefill, "decode_tps": len(timed) / sum(timed), "peak": peak, "tokens": tokens}
+    B = ids.shape[0]
+    res = {"prefill_s": prefill, "decode_tps": B * len(timed) / sum(timed), "peak": peak, "tokens": tokens}
     if isinstance(cache, QuantizedKVCache) and cache.cfg.mode == "packed":
         res["arith"] = arithmetic_bytes(cache)
     return res
 
 
-def main():
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run the benchmark, print its tables, write `--json`; returns the JSON rows."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096])
-    ap.add_argument("--new-tokens", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default 512 4096 8192)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, 1 repeat, 12 new tokens")
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 40 (--quick: 12)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 8 (--quick: 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--residual", type=int, default=128)
     ap.add_argument("--recompute-rank", type=int, default=128, help="rank of the recompute cache's projection of X")
-    ap.add_argument("--only", nargs="*", default=None, help="substrings of cache names to run")
+    ap.add_argument("--only", nargs="*", default=None, help="substrings of cache labels to run (DynamicCache always)")
     ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
+    ap.add_argument("--json", type=Path, default=None, help='write {"rows": [...]} here (keys: module docstring)')
+    args = ap.parse_args(argv)
+    quick = args.quick
+    lengths = args.lengths or ([256] if quick else [512, 4096, 8192])
+    new_tokens = args.new_tokens if args.new_tokens is not None else 12 if quick else 40
+    warmup = args.warmup if args.warmup is not None else 2 if quick else 8
+    repeats = args.repeats if args.repeats is not None else 1 if quick else 3
+    if warmup >= new_tokens:
+        raise SystemExit(f"--warmup {warmup} leaves no timed step of --new-tokens {new_tokens}: lower --warmup")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tok = load_model(args.model, dtype=torch.float32)
-    cache_bytes.text_cfg = model.config.get_text_config(decoder=True)
-    caches = make_caches(model, args.bits, args.group_size, args.residual, args.recompute_rank)
-    if args.only:
-        caches = {k: v for k, v in caches.items() if k == "DynamicCache" or any(s in k for s in args.only)}
-    text_ids = tok(TEXT * 400, return_tensors="pt").input_ids
+    rows_out: list[dict] = []
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     print(
-        f"# {args.model} fp32 on {dev} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} "
-        f"threads), torch {torch.__version__}, batch 1, greedy, {args.new_tokens} new tokens ({args.warmup} warm-up "
-        f"steps untimed), median of {args.repeats} interleaved runs"
+        f"# {args.model} on {dev} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+        f"torch {torch.__version__}, greedy, {new_tokens} new tokens ({warmup} warm-up steps untimed), median of "
+        f"{repeats} interleaved runs"
     )
-    for L in args.lengths:
-        ids = text_ids[:, :L].to(model.device)
-        results = {name: [] for name in caches}
-        for _ in range(args.repeats):
-            for name, make in caches.items():
-                results[name].append(run_once(model, make, ids, args.new_tokens, args.warmup))
-        base = statistics.median(r["decode_tps"] for r in results["DynamicCache"])
-        print(f"\n## prompt {L} tokens\n")
-        print("| cache | decode tok/s | vs Dynamic | prefill s | peak cache MB | / fp16 | measured / arith |")
-        print("|---|---|---|---|---|---|---|")
-        for name, rs in results.items():
-            tps = statistics.median(r["decode_tps"] for r in rs)
-            pre = statistics.median(r["prefill_s"] for r in rs)
-            stored, fp16 = rs[-1]["peak"]
-            arith = f"{stored / rs[-1]['arith']:.3f}" if "arith" in rs[-1] else ""
-            print(
-                f"| {name} | {tps:.1f} | {tps / base:.2f}x | {pre:.2f} | {stored / 2**20:.2f} | "
-                f"{stored / fp16:.3f} | {arith} |"
-            )
-        same = [n for n, rs in results.items() if rs[-1]["tokens"] == results["DynamicCache"][-1]["tokens"]]
-        print(f"\nsame greedy tokens as DynamicCache: {', '.join(same)}")
+    model = tok = None
+    for setting in args.settings:
+        dtype, batch = SETTINGS[setting]
+        if model is None:
+            model, tok = load_model(args.model, dtype=dtype)
+            cache_bytes.text_cfg = model.config.get_text_config(decoder=True)
+        model = model.to(dtype)
+        caches = make_caches(model, args.bits, args.group_size, args.residual, args.recompute_rank,
+                             full=setting == "fp32-b1")  # fmt: skip
+        if args.only:
+            caches = [c for c in caches if c.kind == "dynamic" or any(s in c.label for s in args.only)]
+        text_ids = tok(TEXT * (40 + max(lengths) // 20), return_tensors="pt").input_ids
+        for L in lengths:
+            ids, mask = batch_prompt(text_ids, L, batch)
+            results = {c.label: [] for c in caches}
+            for _ in range(repeats):
+                for c in caches:
+                    results[c.label].append(run_once(model, c.make, ids, mask, new_tokens, warmup))
+            base = statistics.median(r["decode_tps"] for r in results["DynamicCache"])
+            print(f"\n## {setting} ({str(dtype).removeprefix('torch.')}, batch {batch}), prompt {L} tokens\n")
+            print("| cache | decode tok/s | vs Dynamic | prefill s | peak cache MB | / fp16 | measured / arith |")
+            print("|---|---|---|---|---|---|---|")
+            for c in caches:
+                rs = results[c.label]
+                tps = statistics.median(r["decode_tps"] for r in rs)
+                pre = statistics.median(r["prefill_s"] for r in rs)
+                stored, fp16 = rs[-1]["peak"]
+                ratio = stored / rs[-1]["arith"] if "arith" in rs[-1] else None
+                shown = "" if ratio is None else f"{ratio:.3f}"
+                print(
+                    f"| {c.label} | {tps:.1f} | {tps / base:.2f}x | {pre:.2f} | {stored / 2**20:.2f} | "
+                    f"{stored / fp16:.3f} | {shown} |"
+                )
+                rows_out.append({
+                    "kind": c.kind, "label": c.label, "backend": c.backend, "rope": c.rope,
+                    "dtype": str(dtype).removeprefix("torch."), "batch": batch, "format": c.format, "length": L,
+                    "tok_s": tps, "ratio": tps / base, "prefill_s": pre, "peak_bytes": int(stored),
+                    "measured_over_arith": ratio,
+                })  # fmt: skip
+            same = [c.label for c in caches if results[c.label][-1]["tokens"] == results["DynamicCache"][-1]["tokens"]]
+            print(f"\nsame greedy tokens as DynamicCache: {', '.join(same)}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps({"rows": rows_out}, indent=1) + "\n")
+        tmp.replace(args.json)  # atomic: a reader never sees half a file
+        print(f"\nwrote {len(rows_out)} rows to {args.json}")
+    return rows_out
 
 
 if __name__ == "__main__":

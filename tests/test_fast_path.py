@@ -289,3 +289,50 @@ def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch
     assert len(calls) == 23 * tiny_model.config.num_hidden_layers and all(calls)
     assert masks <= {(4, 1, 1)}, masks
 
+
+# --- the benchmark's JSON ---------------------------------------------------------------------------------------
+
+BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "length", "tok_s", "ratio", "prefill_s",
+              "peak_bytes", "measured_over_arith"}  # fmt: skip
+
+
+def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]}, the issue's keys exactly, every setting's
+    DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a left-padded batch of 4, fp8), and the
+    storage arithmetic within a few percent of what our packed caches hold."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_cache.py"
+    spec = importlib.util.spec_from_file_location("bench_cache", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_cache", bench)  # its dataclass resolves annotations through it
+    spec.loader.exec_module(bench)
+    out = tmp_path / "speed.json"
+    args = ["--model", str(tiny_model_dir), "--lengths", "72", "--new-tokens", "3", "--warmup", "1", "--repeats", "1",
+            "--recompute-rank", "64", "--json", str(out)]  # fmt: skip
+    returned = bench.main(args)
+    data = json.loads(out.read_text())
+    assert set(data) == {"rows"} and data["rows"] == returned
+    rows = data["rows"]
+    assert all(set(r) == BENCH_KEYS for r in rows)
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"dynamic", "ours_packed", "ours_simulated", "ours_recompute", "quanto", "hqq"}
+    for r in rows:
+        assert r["length"] == 72 and r["tok_s"] > 0 and r["prefill_s"] > 0 and r["peak_bytes"] > 0
+        assert r["rope"] in ("post", "pre") and r["dtype"] in ("float32", "bfloat16") and r["batch"] in (1, 4)
+        if r["kind"] == "dynamic":
+            assert r["ratio"] == 1.0 and r["format"] is None
+        if r["kind"] == "ours_packed":
+            assert 0.95 < r["measured_over_arith"] < 1.1, r
+        else:
+            assert r["measured_over_arith"] is None
+    settings = {(r["dtype"], r["batch"]) for r in rows}
+    assert settings == {("float32", 1), ("bfloat16", 1), ("float32", 4)}
+    packed = [r for r in rows if r["kind"] == "ours_packed"]
+    for dtype, batch in settings:  # rope=pre and rope=post on the default backend in every setting
+        assert {r["rope"] for r in packed if (r["dtype"], r["batch"]) == (dtype, batch)} == {"post", "pre"}
+    assert any(r["format"] == "fp8_e4m3" for r in packed)
+    assert "same greedy tokens as DynamicCache" in capsys.readouterr().out
