@@ -148,7 +148,9 @@ def cache_bytes(cache) -> tuple[int, int]:
     stored = sum(tensor_bytes(layer, set()) for layer in cache.layers)
     n = cache.get_seq_length()
     cfg = cache_bytes.text_cfg
-    fp16 = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * n * 2
+    keys = getattr(cache.layers[0], "keys", None)
+    B = keys.shape[0] if isinstance(keys, torch.Tensor) and keys.dim() == 4 else 1  # batch rows
+    fp16 = 2 * B * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * n * 2
     return stored, fp16
 
 
