@@ -28,6 +28,37 @@ def records():
             yield p.parent, r
 
 
+def f1_se(samples: Path) -> float | None:
+    """Standard error of the mean per-turn F1 (in %) from a CoQA run's samples.json, None without one."""
+    if not samples.is_file():
+        return None
+    f1 = [100 * float(x["f1"]) for x in json.loads(samples.read_text())]
+    mean = sum(f1) / len(f1)
+    return (sum((v - mean) ** 2 for v in f1) / (len(f1) - 1) / len(f1)) ** 0.5
+
+
+def paired(rows) -> list[str]:
+    """Searched vs uniform at equal stored bits on the same CoQA turns: the mean per-turn F1 difference and its
+    standard error (paired, so the turns' own spread cancels)."""
+    out = []
+    uniform = [r for r in rows if not r["budget"] and "stored" in r and "samples" in r]
+    for s in sorted((r for r in rows if r["budget"] and "samples" in r), key=lambda r: r["budget"]):
+        for u in uniform:
+            if abs(u["stored"] - s.get("stored", -1)) > 1e-9:
+                continue
+            a, b = (json.loads(r["samples"].read_text()) for r in (s, u))
+            if [x["doc_id"] for x in a] != [x["doc_id"] for x in b]:
+                continue
+            d = [100 * (float(x["f1"]) - float(y["f1"])) for x, y in zip(a, b, strict=True)]
+            mean = sum(d) / len(d)
+            se = (sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) ** 0.5
+            out.append(
+                f"- {s['label']} vs {u['label']} (both {u['stored']:.3f} bits per element): CoQA-turns F1 "
+                f"{mean:+.2f} ± {se:.2f} (paired over the same {len(d)} turns)"
+            )
+    return ["", *out] if out else []
+
+
 def spec(d) -> QuantSpec:
     return QuantSpec(d["bits"], d["group_size"], d["axis"], d["format"])
 
@@ -55,6 +86,8 @@ def main() -> None:
             row["ppl"][r["config"]["task"]["eval_tokens"]] = m["ppl/ppl"]
         if "coqa_turns/f1" in m:
             row["f1"], row["n"] = m["coqa_turns/f1"], int(m.get("coqa_turns/n") or r["config"].get("limit"))
+            row["f1_se"] = f1_se(folder / "samples.json")
+            row["samples"] = folder / "samples.json"
         if name == "search":
             row["searched"] = folder / "precision.yaml"
             tokens.add(prec["tokens"])
@@ -66,7 +99,7 @@ def main() -> None:
         f"Stored bits per K/V element counted at {T} tokens (the searches' precision.tokens).",
         "",
         "| row | budget | mean key bits | mean value bits | stored bits / element | decode ppl, 4 x 512 | "
-        "decode ppl, 4 x 256 (quick) | CoQA-turns F1 (turns) |",
+        "decode ppl, 4 x 256 (quick) | CoQA-turns F1 ± SE (turns) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for (kb, vb), row in sorted(rows.items(), key=lambda kv: sum(kv[0][0]) + sum(kv[0][1])):
@@ -75,9 +108,11 @@ def main() -> None:
             stored, label = "-", "16-bit (reference)"
         else:
             costs = precision.measure_costs(model, base, sorted(set(kb) | set(vb)), T)
-            stored = f"{costs.bits(list(kb), list(vb)):.3f}"
+            row["stored"] = costs.bits(list(kb), list(vb))
+            stored = f"{row['stored']:.3f}"
             label = f"searched, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
-        f1 = f"{row['f1']:.2f} ({row['n']})" if "f1" in row else "-"
+        se = f" ± {row['f1_se']:.1f}" if row.get("f1_se") is not None else ""
+        f1 = f"{row['f1']:.2f}{se} ({row['n']})" if "f1" in row else "-"
         ppl = [f"{row['ppl'][t]:.2f}" if t in row["ppl"] else "-" for t in (512, 256)]
         budget = f"{row['budget']:g}" if row["budget"] else "-"
         lines.append(
@@ -85,6 +120,7 @@ def main() -> None:
             f"{ppl[1]} | {f1} |"
         )
         row["label"] = label
+    lines += paired(rows.values())
     table = "\n".join(lines)
     print(table)
     (HERE / "table.md").write_text(table + "\n")
