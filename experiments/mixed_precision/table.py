@@ -84,8 +84,9 @@ def main() -> None:
         m = r["metrics"]
         if "ppl/ppl" in m:  # keyed by scored tokens per window: the quick version (256) and the full one (512)
             row["ppl"][r["config"]["task"]["eval_tokens"]] = m["ppl/ppl"]
-        if "coqa_turns/f1" in m:
-            row["f1"], row["n"] = m["coqa_turns/f1"], int(m.get("coqa_turns/n") or r["config"].get("limit"))
+        n = int(m.get("coqa_turns/n") or r["config"].get("limit") or 0)
+        if "coqa_turns/f1" in m and n >= row.get("n", 0):  # the run over the most turns (60, then 100 where run)
+            row["f1"], row["n"] = m["coqa_turns/f1"], n
             row["f1_se"] = f1_se(folder / "samples.json")
             row["samples"] = folder / "samples.json"
         if name == "search":
