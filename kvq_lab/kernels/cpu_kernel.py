@@ -20,6 +20,7 @@ it, -ffp-contract=off (the dequantization `table[code] * scale + zero` keeps the
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -145,12 +146,9 @@ def build_error() -> str | None:
     return None
 
 
-_ArgBlock = ctypes.c_int64 * N_FIELDS
-
-
 def _stream_fields(sv: StreamView) -> list[int]:
-    """The C `Stream` of one tensor: packed history (if any) with its format's table (0: int), fp32 window buffer
-    and sinks."""
+    """The C `Stream` of one tensor: packed history (if any) with its format's table (0: int), window buffer and
+    sinks (the model's dtype), and a padded batch's per-row starts and counts."""
     n, w = sv.n, sv.w
     if sv.codes is not None and n:
         c, s, z, t = sv.codes, sv.scale, sv.zero, sv.table
@@ -254,16 +252,21 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     out = torch.empty(B, Hq, D)
     chunks = -(-N // CHUNK)
     partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
-    args = _ArgBlock(
+    # the argument block as an int64 array.array: built from Python ints in C (~2.5 us; a ctypes array of the same
+    # ~80 fields took ~15 us, once per layer and step); it lives until the call returns
+    args = array.array("q", (
         query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
         0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
         B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
         *_stream_fields(view.keys), *_stream_fields(view.values),
-    )  # fmt: skip
-    bad = load().kvq_decode_attention(ctypes.addressof(args), torch.get_num_threads(), scaling)
+    ))  # fmt: skip
+    if len(args) != N_FIELDS:  # the C struct's layout: a missing field would shift every later one
+        raise RuntimeError(f"CPU kernel argument block has {len(args)} fields, the C Args struct {N_FIELDS}")
+    bad = load().kvq_decode_attention(args.buffer_info()[0], torch.get_num_threads(), scaling)
     if bad:
         raise ValueError(
             f"{bad} rope=pre key rows have position ids outside the RopeView table "
             f"[0, {view.rope.cos.shape[0]}): build the table over every id in RopeView.pos"
         )
-    return out.view(B, 1, Hq, D).to(dtype)
+    out = out.view(B, 1, Hq, D)
+    return out if dtype == torch.float32 else out.to(dtype)
