@@ -25,7 +25,8 @@ def fill(model, cfg: CacheConfig, k, v, cuts: list[int]):
     for a, b in zip([0, *cuts, T], [*cuts, T, T + 1], strict=True):
         if b > a:
             pos = torch.arange(a, b)[None]
-            out.append(cache.update(k[:, :, a:b], v[:, :, a:b], 0, {"position_ids": pos}))
+            K, V = cache.update(k[:, :, a:b], v[:, :, a:b], 0, {"position_ids": pos})
+            out.append((K.clone(), V.clone()))  # views of the cache's buffers, valid until its next update
     return out
 
 
@@ -130,3 +131,74 @@ def test_lm_wrapper_with_a_wrong_boundary_generates_differently(tiny_model_dir, 
     monkeypatch.setattr(SimulatedLayer, "prefix_boundary", lambda self, n: n)
     wrong = QuantCacheLM(model, tok, lambda: QuantizedKVCache.for_model(model, cfg), prefix_reuse=True)
     assert wrong.generate_until(_requests(tok), disable_tqdm=True) != expected
+
+
+def _filled(model, cfg: CacheConfig, k, v):
+    """A batch-1 cache, every layer filled with k, v [1, H, T, D] (prefill, then two single tokens)."""
+    cache = QuantizedKVCache.for_model(model, cfg)
+    T = k.shape[2]
+    for a, b in [(0, T - 2), (T - 2, T - 1), (T - 1, T)]:
+        for i in range(len(cache.layers)):
+            cache.update(k[:, :, a:b], v[:, :, a:b], i, kwargs={"position_ids": torch.arange(a, b)[None]})
+    return cache
+
+
+@pytest.mark.parametrize("ka,va", AXES)
+@pytest.mark.parametrize("sinks", [0, 5])
+@pytest.mark.parametrize("transform", [(), ("rope_pre", "hadamard")])
+@pytest.mark.parametrize("lengths", [[70, 37, 53], [41, 41]])
+def test_stacked_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, transform, lengths):
+    """`QuantizedKVCache.stack`: a batch of caches of different lengths decodes, row by row, bit for bit what each
+    cache decodes alone (its own groups, sinks and positions), for three more tokens, crossing a group boundary."""
+    cfg = cfg_of(ka, va, sinks, key_transform=transform)
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(1, 2, n + 3, 64, generator=g), torch.randn(1, 2, n + 3, 64, generator=g)) for n in lengths]
+    alone = [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
+    batch = QuantizedKVCache.stack(
+        [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
+    )
+    T = max(lengths)
+    for step in range(3):
+        k_new = torch.cat([k[:, :, n + step : n + step + 1] for (k, _), n in zip(kv, lengths, strict=True)])
+        v_new = torch.cat([v[:, :, n + step : n + step + 1] for (_, v), n in zip(kv, lengths, strict=True)])
+        pos = torch.tensor([[n + step] for n in lengths])
+        K, V = batch.update(k_new, v_new, 0, kwargs={"position_ids": pos})  # as the attention layer passes them
+        for b, n in enumerate(lengths):
+            K1, V1 = alone[b].update(k_new[b : b + 1], v_new[b : b + 1], 0, kwargs={"position_ids": pos[b : b + 1]})
+            real = slice(T - n, None)
+            assert torch.equal(K[b : b + 1, :, real], K1) and torch.equal(V[b : b + 1, :, real], V1)
+    # the comparison can fail: the first row's keys are not the last row's
+    assert not torch.equal(K[0:1, :, -5:], K1[:, :, -5:])
+
+
+def test_stack_refuses_padded_or_empty_rows(tiny_model):
+    cfg = cfg_of("channel", "token")
+    padded = QuantizedKVCache.for_model(tiny_model, cfg)
+    padded.set_padding(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    padded.update(torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64), 0)
+    with pytest.raises(ValueError, match="unpadded"):
+        QuantizedKVCache.stack([padded, padded])
+    with pytest.raises(ValueError, match="filled"):
+        QuantizedKVCache.stack([QuantizedKVCache.for_model(tiny_model, cfg)])
+    packed = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed")
+    assert QuantizedKVCache.for_model(tiny_model, cfg).stackable
+    assert not QuantizedKVCache.for_model(tiny_model, packed).stackable
+
+
+@pytest.mark.parametrize("ka,va", [("channel", "token"), ("token", "token")])
+def test_lm_wrapper_batches_with_reuse_as_batch_one(tiny_model_dir, ka, va):
+    """Prefix reuse with batch_size=3: each row prefilled alone from the checkpoint, stacked, decoded in one batch:
+    the same answers as batch 1 without reuse, two generate calls for six requests, and the checkpoint serves."""
+    from transformers import AutoTokenizer
+
+    from kvq_lab.eval.lm import QuantCacheLM
+    from kvq_lab.models import load_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = cfg_of(ka, va, kg=32, vg=32)
+    make = lambda: QuantizedKVCache.for_model(model, cfg)  # noqa: E731
+    expected = QuantCacheLM(model, tok, make, prefix_reuse=False).generate_until(_requests(tok), disable_tqdm=True)
+    lm = QuantCacheLM(model, tok, make, batch_size=3, prefix_reuse=True)
+    assert lm.generate_until(_requests(tok), disable_tqdm=True) == expected
+    assert lm.generate_calls == 2 and lm.prefix_tokens > 100

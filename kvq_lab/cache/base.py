@@ -55,6 +55,8 @@ class QuantizedLayerBase(DynamicLayer):
     """
 
     is_croppable = False
+    # `stack` can join single-prompt caches of this class into one left-padded batch (`QuantizedKVCache.stack`)
+    stackable = False
 
     def __init__(self, cfg: CacheConfig, rope: RopeHelper | None = None, padding: PaddingState | None = None):
         super().__init__()
@@ -98,6 +100,13 @@ class QuantizedLayerBase(DynamicLayer):
         them (`kvq_lab.eval.lm`). 0 (only the empty prefix) by default, for layers whose state depends on where a
         prompt is cut (the packed cache quantizes its prefill once, in whole groups, and keeps a window exact)."""
         return 0
+
+    @classmethod
+    def stack(cls, rows: list, pads: list[int], padding: PaddingState):
+        """Layers of unpadded batch-1 caches (`rows`, one prompt each) -> one layer of a left-padded batch, row b
+        behind `pads[b]` padding positions, each row keeping its own quantization state. Layers that set `stackable`
+        implement it."""
+        raise NotImplementedError(f"{cls.__name__} cannot stack single-prompt caches into a batch")
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kvq_lab caches support greedy and sampling decoding, not beam search")

@@ -6,6 +6,8 @@ registry) is what makes every `CacheConfig.mode` available. A new mode is one ne
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -59,6 +61,31 @@ class QuantizedKVCache(Cache):
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Declare the prompt's padding ([B, T0], 1 = token) so pad positions never enter a group's min/max."""
         self.padding.prompt_mask = None if attention_mask is None else attention_mask.detach()
+
+    @property
+    def stackable(self) -> bool:
+        """`stack` can join caches like this one into a batch (every layer class implements it)."""
+        return all(layer.stackable for layer in self.layers)
+
+    @classmethod
+    def stack(cls, rows: list[QuantizedKVCache]) -> QuantizedKVCache:
+        """Caches of one prompt each (batch 1, unpadded, filled, any lengths) -> one cache of the left-padded batch of
+        those prompts (row b padded by the longest length minus its own), holding for each row what the row's cache
+        held: decode then goes on in one batch, each row as it would alone (a left-padded batch's guarantee, up to
+        the model's batched arithmetic). The rows are consumed (their state moves into the result)."""
+        lengths = [r.get_seq_length() for r in rows]
+        if min(lengths) < 1:
+            raise ValueError("stack takes filled caches (every row holds at least one token)")
+        T = max(lengths)
+        pads = [T - n for n in lengths]
+        out = copy.copy(rows[0])
+        out.padding = PaddingState()
+        device = rows[0].layers[0].keys.device
+        out.set_padding(torch.stack([torch.arange(T, device=device) >= p for p in pads]).long())
+        out.layers = [
+            type(layer).stack([r.layers[i] for r in rows], pads, out.padding) for i, layer in enumerate(rows[0].layers)
+        ]
+        return out
 
     def prefix_boundary(self, n: int) -> int:
         """Where the first n tokens of a prompt may be cut so that this cache, filled with the tokens before the cut

@@ -18,6 +18,12 @@ End to end, a padded row's K/V reach the cache only as bit-exact as the model's 
 and 2-bit fake quant of every token, prefill included, can amplify such differences (an fp16 parameter or a code
 flips), so batch_size=3 and batch_size=1 generations can still differ on a real model.
 
+Decode cost: the layer keeps what attention saw at the previous step in a buffer and rewrites only what changed
+(`FakeQuantStream.tail`: the new token, or the per-channel group it joins); exact tensors grow in place (`Growing`).
+`update` returns views of those buffers, valid until the next update (as a static cache's tensors).
+`SimulatedLayer.stack` joins caches of single prompts into one left-padded batch that decodes as the rows would alone
+(`kvq_lab.eval.lm` batches prefix reuse with it).
+
 Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the stream runs on the transformed
 tensor T(x) (kept beside the exact one, with the tokens' positions where a transform reads them), and attention sees
 T^-1 of its fake quantization; sinks stay exact. `simulate` is the same arithmetic on a whole tensor in one call
@@ -26,6 +32,7 @@ T^-1 of its fake quantization; sinks stay exact. `simulate` is the same arithmet
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -41,43 +48,98 @@ class FakeQuantStream:
     """Incremental fake quantization of one growing `[B, H, T, D]` tensor (keys or values of one layer).
 
     Every row of the tensor shares the stream's group layout, so a left-padded batch gives each row its own
-    stream over its real tokens (`SimulatedLayer`)."""
+    stream over its real tokens (`SimulatedLayer`). `tail` returns only what changed since its previous call (a
+    decode step costs one group, not the whole history); `view` the whole tensor, which needs the final groups
+    kept (`keep_final`)."""
 
-    def __init__(self, spec: QuantSpec, sink_tokens: int, outliers: Outliers | None = None):
+    def __init__(self, spec: QuantSpec, sink_tokens: int, outliers: Outliers | None = None, keep_final: bool = True):
         self.spec = spec
         self.sink = sink_tokens
         self.outliers = outliers  # dense-and-sparse: these elements stay exact (kvq_lab.quant.outliers)
-        self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done), never recomputed
-        self.done = 0
+        self.keep_final = keep_final
+        self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done) (with keep_final)
+        self.done = 0  # tokens after the sinks in whole groups: final, never recomputed
+        self.seen = 0  # tokens given to the previous call
 
-    def view(self, exact: torch.Tensor) -> torch.Tensor:
-        """exact [B, H, T, D] (all tokens so far, no padding) -> what attention sees [B, H, T, D]."""
-        if self.spec.is_identity or exact.shape[-2] <= self.sink:
-            return exact
+    def tail(self, exact: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """exact [B, H, T, D] (all tokens so far, no padding) -> (lo, what attention sees of positions [lo, T)),
+        lo being the first position whose view may differ from the previous call's (every position on the first
+        call)."""
+        T = exact.shape[-2]
+        lo, self.seen = self.seen, T
+        if self.spec.is_identity or T <= self.sink:
+            return lo, exact[..., lo:, :]
         start = self.sink + self.done
         new = exact[..., start:, :]
         deq = fake_quant(new, self.spec, self.outliers, partial="zero")
         n = new.shape[-2]
         keep = n if self.spec.axis == "token" else n // self.spec.group_size * self.spec.group_size
+        parts = [exact[..., lo : self.sink, :]] if lo < self.sink else []
+        if lo < start and self.final is not None:  # only a first call after `view` asks for what is final
+            parts.append(self.final[..., max(lo - self.sink, 0) :, :])
+        lo = min(lo, start)
         if keep:
-            head = deq[..., :keep, :]
-            self.final = head if self.final is None else torch.cat([self.final, head], dim=-2)
+            if self.keep_final:
+                head = deq[..., :keep, :]
+                self.final = head if self.final is None else torch.cat([self.final, head], dim=-2)
             self.done += keep
-        parts = [exact[..., : self.sink, :]] if self.sink else []
-        parts += [t for t in (self.final, deq[..., keep:, :]) if t is not None and t.shape[-2]]
-        return torch.cat(parts, dim=-2)
+        return lo, torch.cat([*parts, deq], dim=-2) if parts else deq
+
+    def view(self, exact: torch.Tensor) -> torch.Tensor:
+        """exact [B, H, T, D] (all tokens so far, no padding) -> what attention sees [B, H, T, D]."""
+        if not self.keep_final:
+            raise ValueError("view needs the final groups: make the stream with keep_final=True")
+        self.seen = 0
+        return self.tail(exact)[1]
+
+
+def _tail_around(
+    stream: FakeQuantStream, exact: torch.Tensor, transformed: torch.Tensor, pipe: Pipeline, pos: Positions | None
+) -> tuple[int, torch.Tensor]:
+    """`FakeQuantStream.tail` of a tensor whose quantizer is wrapped in `pipe`: exact, transformed [b, H, T, D] (no
+    padding; pos: their positions or None) -> (lo, the stream's fake quantization of `transformed` at positions
+    [lo, T) with the transforms undone, sinks exact as the model made them)."""
+    s = stream.sink
+    lo, deq = stream.tail(transformed)
+    a = max(lo, s)
+    back = pipe.inverse(deq[..., a - lo :, :], None if pos is None else pos.take(slice(None), slice(a, None)))
+    return lo, torch.cat([exact[..., lo:s, :], back], dim=-2) if lo < s else back
 
 
 def _around(
     stream: FakeQuantStream, exact: torch.Tensor, transformed: torch.Tensor, pipe: Pipeline, pos: Positions | None
 ) -> torch.Tensor:
-    """What attention sees of a tensor whose quantizer is wrapped in `pipe`: exact, transformed [b, H, T, D] (no
-    padding; pos: their positions or None) -> the stream's fake quantization of `transformed` with the transforms
-    undone, sinks exact (as the model made them), [b, H, T, D]."""
-    s = stream.sink
-    deq = stream.view(transformed)[..., s:, :]
-    back = pipe.inverse(deq, None if pos is None else pos.take(slice(None), slice(s, None)))
-    return torch.cat([exact[..., :s, :], back], dim=-2)
+    """The whole of `_tail_around`: what attention sees of every position [b, H, T, D]."""
+    stream.seen = 0
+    return _tail_around(stream, exact, transformed, pipe, pos)[1]
+
+
+class Growing:
+    """A [B, H, T, D] tensor growing along tokens, with spare room: appending copies the new tokens only
+    (amortized), where a `torch.cat` per step would copy the whole history."""
+
+    def __init__(self, x: torch.Tensor):
+        self.buf, self.n = x, x.shape[-2]
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.buf[..., : self.n, :]
+
+    def grow_to(self, n: int) -> None:
+        """Make room for n tokens (positions past the old length are left as they are: write them)."""
+        if n > self.buf.shape[-2]:
+            shape = list(self.buf.shape)
+            shape[-2] = max(n, 2 * shape[-2], 64)
+            buf = self.buf.new_empty(shape)
+            buf[..., : self.n, :] = self.buf[..., : self.n, :]
+            self.buf = buf
+        self.n = max(self.n, n)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.n
+        self.grow_to(n + x.shape[-2])
+        self.buf[..., n : self.n, :] = x
+        return self.value
 
 
 def simulate(
@@ -119,58 +181,107 @@ class SimulatedLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._streams: list[tuple[FakeQuantStream, FakeQuantStream]] | None = None  # set at the first update
         self._padded = False
-        # transformed keys / values [B, H, T, D] where a transform applies, and the positions of all tokens where
-        # a transform reads them (rope_pre)
+        # exact keys / values, and transformed ones where a transform applies ([B, H, T, D], growing in place; the
+        # exact ones are `self.keys` / `self.values`), the positions of all tokens where a transform reads them
+        # (rope_pre), and what attention sees of keys and values, rewritten where it changes (`FakeQuantStream.tail`)
+        self._grown: dict[str, Growing] = {}
         self._tk: torch.Tensor | None = None
         self._tv: torch.Tensor | None = None
         self._pos: Positions | None = None
 
     def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
         S = self.cfg.sink_tokens
-        return FakeQuantStream(self.cfg.key, S, self.cfg.outliers("key")), FakeQuantStream(
-            self.cfg.value, S, self.cfg.outliers("value")
+        return FakeQuantStream(self.cfg.key, S, self.cfg.outliers("key"), keep_final=False), FakeQuantStream(
+            self.cfg.value, S, self.cfg.outliers("value"), keep_final=False
         )
 
+    def _append(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        g = self._grown.get(name)
+        if g is None:
+            g = self._grown[name] = Growing(x.clone())
+            return g.value
+        return g.append(x)
+
+    def _seen(self, name: str, exact: torch.Tensor) -> Growing:
+        """The buffer of what attention sees of `exact` [B, H, T, D], with room for T tokens; padding positions
+        hold the exact tensor's (finite, hidden by the attention mask), every other new position is written by the
+        streams."""
+        g = self._grown.get(name)
+        if g is None:
+            g = self._grown[name] = Growing(exact.clone())
+        g.grow_to(exact.shape[-2])
+        return g
+
     def update(self, key_states, value_states, *args, **kwargs):
+        """Append the new tokens -> what attention sees of keys and values [B, H, T, D] (views of the layer's buffers,
+        valid until the next update, as a static cache's)."""
         B = key_states.shape[0]
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start = self.get_seq_length()
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = self._append("k", key_states), self._append("v", value_states)
         valid = self.padding.valid(B, self.keys.shape[-2]) if self.padding else None
         if self._streams is None:
             self._padded = valid is not None
             self._streams = [self._new_streams() for _ in range(B if self._padded else 1)]
-        elif self._padded != (valid is not None):
+        elif self._padded and valid is None:  # stacked rows of one length (`stack`): no padding, a stream pair each
+            valid = torch.ones(B, self.keys.shape[-2], dtype=torch.bool, device=self.keys.device)
+        elif valid is not None and not self._padded:
             raise ValueError("the padding mask changed during generation; call set_padding before the first update")
         pos = None
         if self.positional:
             pos = self.new_positions(key_states, start, kwargs)
             self._pos = pos if self._pos is None else self._pos.cat(pos)
         if self.k_pipe is not None:
-            tk = self.k_pipe.forward(key_states, pos)
-            self._tk = tk if self._tk is None else torch.cat([self._tk, tk], dim=-2)
+            self._tk = self._append("tk", self.k_pipe.forward(key_states, pos))
         if self.v_pipe is not None:
-            tv = self.v_pipe.forward(value_states, pos)
-            self._tv = tv if self._tv is None else torch.cat([self._tv, tv], dim=-2)
+            self._tv = self._append("tv", self.v_pipe.forward(value_states, pos))
 
-        if not self._padded:  # the common case (batch 1): one stream pair over all rows, no slicing or copies
-            keys, values = self._view(*self._tensors(), self._pos, *self._streams[0])
-        else:
-            # rows are few: each row's streams run on its real tokens, alone, exactly as for a batch of one
-            ks, vs = [], []
-            for b, p in enumerate(left_pads(valid)):
-                real = [None if x is None else x[b : b + 1, :, p:] for x in self._tensors()]
-                pos = None if self._pos is None else self._pos.take(slice(b, b + 1), slice(p, None))
-                k, v = self._view(*real, pos, *self._streams[b])
-                # padding positions pass through exact (finite, and hidden by the attention mask)
-                ks.append(torch.cat([self.keys[b : b + 1, :, :p], k], dim=-2))
-                vs.append(torch.cat([self.values[b : b + 1, :, :p], v], dim=-2))
-            keys, values = torch.cat(ks), torch.cat(vs)
+        seen_k, seen_v = self._seen("sk", self.keys), self._seen("sv", self.values)
+        # one stream pair over all rows (nothing padded: batch 1), else one per row, each on the row's real tokens
+        # alone, exactly as for a batch of one (padding positions keep their exact values)
+        rows = (
+            [(slice(None), 0)] if not self._padded else [(slice(b, b + 1), p) for b, p in enumerate(left_pads(valid))]
+        )
+        for (r, p), (k_stream, v_stream) in zip(rows, self._streams, strict=True):
+            keys, values, tk, tv = [None if x is None else x[r, :, p:] for x in self._tensors()]
+            pos = None if self._pos is None else self._pos.take(r, slice(p, None))
+            for exact, tx, pipe, stream, seen in (
+                (keys, tk, self.k_pipe, k_stream, seen_k),
+                (values, tv, self.v_pipe, v_stream, seen_v),
+            ):
+                lo, part = stream.tail(exact) if pipe is None else _tail_around(stream, exact, tx, pipe, pos)
+                seen.buf[r, :, p + lo : p + lo + part.shape[-2]] = part
         # the new tokens only: history was checked when it arrived (a whole-history scan costs ~13% of decode)
         self.check_finite(key_states, value_states)
-        return keys, values
+        return seen_k.value, seen_v.value
+
+    stackable = True
+
+    @classmethod
+    def stack(cls, rows: list[SimulatedLayer], pads: list[int], padding) -> SimulatedLayer:
+        """Layers of unpadded batch-1 caches -> one layer of a left-padded batch (see `QuantizedLayerBase.stack`).
+        A padded layer runs one stream pair per row, on the row's real tokens only: the rows' own streams carry on
+        as they would alone. Padding positions hold zeros (exact, never quantized, hidden by the attention mask)."""
+        for r in rows:
+            if r._streams is None or r._padded or r.keys.shape[0] != 1:
+                raise ValueError("stack takes filled, unpadded caches of one prompt each")
+        out = copy.copy(rows[0])
+        out.padding, out._padded = padding, True
+        out._streams = [r._streams[0] for r in rows]
+
+        def joined(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(t, (0, 0, p, 0)) for t, p in zip(ts, pads, strict=True)])
+
+        out._grown = {name: Growing(joined([r._grown[name].value for r in rows])) for name in rows[0]._grown}
+        out.keys, out.values = out._grown["k"].value, out._grown["v"].value
+        out._tk = out._grown["tk"].value if "tk" in out._grown else None
+        out._tv = out._grown["tv"].value if "tv" in out._grown else None
+        if rows[0]._pos is not None:  # positions [1, T] ids, [1, 1, T, D] cos/sin: padded the same way
+            ids = torch.cat([torch.nn.functional.pad(r._pos.ids, (p, 0)) for r, p in zip(rows, pads, strict=True)])
+            trig = [None if rows[0]._pos[i] is None else joined([r._pos[i] for r in rows]) for i in (1, 2)]
+            out._pos = Positions(ids, *trig)
+        return out
 
     def prefix_boundary(self, n: int) -> int:
         """Every token is quantized with the group it belongs to by position, and transforms act token by token.
@@ -192,10 +303,3 @@ class SimulatedLayer(QuantizedLayerBase):
         """The per-position tensors of the layer [B, H, T, D]: exact keys and values, and their transformed
         versions (None where no transform applies)."""
         return self.keys, self.values, self._tk, self._tv
-
-    def _view(self, keys, values, tk, tv, pos, k_stream: FakeQuantStream, v_stream: FakeQuantStream):
-        """What attention sees of rows holding no padding, given `_tensors()` of those rows ([b, H, T, D]) and
-        their positions (or None): fake-quantized keys and values [b, H, T, D]."""
-        keys = k_stream.view(keys) if self.k_pipe is None else _around(k_stream, keys, tk, self.k_pipe, pos)
-        values = v_stream.view(values) if self.v_pipe is None else _around(v_stream, values, tv, self.v_pipe, pos)
-        return keys, values

@@ -1,13 +1,20 @@
 """lm-eval-harness model wrapper: every `generate` call gets a fresh quantized KV cache.
 
-Prefix reuse (batch size 1): CoQA's turns of one story share the story and the turns before, so most of each prompt's
-prefill recomputes what the previous turn's computed. `QuantCacheLM` runs the requests in the order of their text
-(a turn's prompt is a prefix of the next turn's, so a story's turns come one after another), keeps a checkpoint: a
-cache filled with the longest shared token prefix, cut where the cache says cutting changes nothing
-(`prefix_boundary`: e.g. a whole number of per-channel groups), extends it with each new prompt, and hands every
-`generate` a copy of it. The cache then holds what a prefill of the whole prompt gives (the cache layers guarantee
-it, tested bit for bit); what the model computes in two passes instead of one can differ in the last float bits
-(GEMMs of another shape), as batching does. Caches that cannot be cut (the packed cache) run as before.
+Prefix reuse: CoQA's turns of one story share the story and the turns before, so most of each prompt's prefill
+recomputes what the previous turn's computed. `QuantCacheLM` runs the requests in the order of their text (a turn's
+prompt is a prefix of the next turn's, so a story's turns come one after another), keeps a checkpoint: a cache filled
+with the longest shared token prefix, cut where the cache says cutting changes nothing (`prefix_boundary`: e.g. a whole
+number of per-channel groups), extends it with each new prompt, and hands every `generate` a copy of it. The cache
+then holds what a prefill of the whole prompt gives (the cache layers guarantee it, tested bit for bit); what the model
+computes in two passes instead of one can differ in the last float bits (GEMMs of another shape), as batching does.
+Caches that cannot be cut (the packed cache) run as before.
+
+Batches (`batch_size` > 1) of consecutive requests in that order (greedy decoding): each row is prefilled alone from
+the checkpoint through its last prompt token, which gives its first answer token; the rows' caches are stacked into
+one left-padded batch cache (`QuantizedKVCache.stack`: each row keeps its own quantization state, as in any
+left-padded batch), and `generate` decodes the batch from there: the decode, which reads all the weights at every
+step, is shared by the rows. Caches that cannot be stacked run lm-eval's own batching (one left-padded prefill of the
+whole prompts).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ class QuantCacheLM(HFLM):
         self.generate_calls = 0
         self.loglikelihood_requests = 0
         self.cache_kwarg = cache_kwarg()
-        self.prefix_reuse = prefix_reuse and make_cache is not None and batch_size == 1
+        self.prefix_reuse = prefix_reuse and make_cache is not None
         self.prefix_tokens = 0  # prompt tokens served from a checkpoint instead of a prefill (reported by tasks)
         self._checkpoint: tuple[list[int], object] | None = None  # (token ids it holds, cache)
 
@@ -67,21 +74,67 @@ class QuantCacheLM(HFLM):
 
         # text order puts a prompt right before the prompts it is a prefix of; results go back in request order
         order = sorted(range(len(requests)), key=lambda i: requests[i].args[0])
+        bs = int(self.batch_size)
         out: list = [None] * len(requests)
-        for i in tqdm(order, desc="generate (prefix reuse)", disable=disable_tqdm or self.rank != 0):
-            out[i] = super().generate_until([requests[i]], disable_tqdm=True)[0]
+        with tqdm(total=len(order), desc="generate (prefix reuse)", disable=disable_tqdm or self.rank != 0) as bar:
+            for start in range(0, len(order), bs):
+                chunk = order[start : start + bs]
+                answers = super().generate_until([requests[i] for i in chunk], disable_tqdm=True)
+                for i, answer in zip(chunk, answers, strict=True):
+                    out[i] = answer
+                bar.update(len(chunk))
         self._checkpoint = None
         return out
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.make_cache is not None:
-            cache = self.make_cache()
-            cache.set_padding(generation_kwargs.get("attention_mask"))
-            if self.prefix_reuse and context.shape[0] == 1:
-                cache = self._from_checkpoint(context, cache)
+            mask = generation_kwargs.get("attention_mask")
+            stacked = None
+            if self.prefix_reuse and context.shape[0] > 1 and not generation_kwargs.get("do_sample"):
+                stacked = self._stacked(context, mask)
+            if stacked is not None:
+                # every row's prompt is in the cache and its first token chosen: generate goes on from there
+                cache, first = stacked
+                context = torch.cat([context, first[:, None]], dim=1)
+                if mask is not None:
+                    generation_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                if context.shape[1] >= max_length:
+                    return context
+            else:
+                cache = self.make_cache()
+                cache.set_padding(mask)
+                if self.prefix_reuse and context.shape[0] == 1:
+                    cache = self._from_checkpoint(context, cache)
             generation_kwargs[self.cache_kwarg] = cache
+        if context.shape[0] > 1:
+            # lm-eval's stop criteria end a batch only when every row has met the same stop string, so finished rows
+            # run on to max_gen_toks (costly, and the text after a first "\n\n" can hold "\nQ:", which then cuts
+            # the answer elsewhere); transformers' stop strings finish each row at its own
+            generation_kwargs["stop_strings"] = [s for s in stop if s]
+            generation_kwargs["tokenizer"] = self.tokenizer
         self.generate_calls += 1
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    @torch.no_grad()
+    def _stacked(self, context: torch.Tensor, mask: torch.Tensor | None):
+        """context [B, T] left-padded token ids, mask [B, T] (1 = token) -> (a batch cache holding every row's whole
+        prompt, each row filled alone from the checkpoint; [B] the greedy first token of each row), or None where the
+        cache cannot be stacked. The whole prompt, not all but its last token: a cut before the last token could
+        split a per-channel group (`prefix_boundary`), so the first token comes from each row's own prefill."""
+        B, T = context.shape
+        lengths = [T] * B if mask is None else mask.sum(1).tolist()
+        if not self.make_cache().stackable:
+            return None
+        rows: list = [None] * B
+        first = torch.empty(B, dtype=context.dtype, device=context.device)
+        # text order within the batch too: each row extends the checkpoint its predecessor left
+        for b in sorted(range(B), key=lambda b: context[b, T - lengths[b] :].tolist()):
+            ids = context[b : b + 1, T - lengths[b] :]
+            cache = self._from_checkpoint(ids, self.make_cache())
+            logits = self._fill(cache, ids[:, cache.get_seq_length() :])
+            first[b] = logits[0, -1].argmax()
+            rows[b] = cache
+        return type(rows[0]).stack(rows), first
 
     @torch.no_grad()
     def _from_checkpoint(self, context: torch.Tensor, fresh):
@@ -98,8 +151,7 @@ class QuantCacheLM(HFLM):
         if cache is None or len(held) >= len(ids) or ids[: len(held)] != held:
             held, cache = [], fresh
         if cut > len(held):
-            kwargs = {self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}
-            self.model(input_ids=context[:, len(held) : cut], **kwargs)
+            self._fill(cache, context[:, len(held) : cut])
             held = ids[:cut]
         if not held:  # nothing to reuse: `fresh` goes to generate and must not stay the checkpoint
             self._checkpoint = None
@@ -107,6 +159,10 @@ class QuantCacheLM(HFLM):
         self._checkpoint = (held, cache)
         self.prefix_tokens += len(held)
         return copy.deepcopy(cache)
+
+    def _fill(self, cache, ids: torch.Tensor) -> torch.Tensor:
+        """Run the model over ids [1, n] after what `cache` holds, filling it -> logits of the last token [1, 1, V]."""
+        return self.model(input_ids=ids, **{self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}).logits
 
     def _warn_no_cache(self, kind: str, requests) -> None:
         if self.loglikelihood_requests == 0 and requests:
