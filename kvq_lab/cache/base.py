@@ -108,6 +108,10 @@ class QuantizedLayerBase(DynamicLayer):
         implement it."""
         raise NotImplementedError(f"{cls.__name__} cannot stack single-prompt caches into a batch")
 
+    def select_rows(self, rows: list[int], padding: PaddingState) -> None:
+        """Keep batch rows `rows` of a stacked layer, in that order (`stackable` layers implement it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop rows of a batch")
+
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kvq_lab caches support greedy and sampling decoding, not beam search")
 

@@ -87,6 +87,15 @@ class QuantizedKVCache(Cache):
         ]
         return out
 
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep batch rows `rows` of a stacked cache, in that order: a finished generation leaves the batch, and the
+        others decode on as they would (each row has its own quantization state)."""
+        mask = self.padding.prompt_mask
+        self.padding = PaddingState()
+        self.set_padding(None if mask is None else mask[rows])
+        for layer in self.layers:
+            layer.select_rows(rows, self.padding)
+
     def prefix_boundary(self, n: int) -> int:
         """Where the first n tokens of a prompt may be cut so that this cache, filled with the tokens before the cut
         and then with the rest, holds what it holds after the whole prompt (`QuantizedLayerBase.prefix_boundary`);

@@ -121,6 +121,9 @@ class Growing:
     def __init__(self, x: torch.Tensor):
         self.buf, self.n = x, x.shape[-2]
 
+    def __deepcopy__(self, memo) -> Growing:
+        return Growing(self.value.clone())  # the tokens, not the spare room
+
     @property
     def value(self) -> torch.Tensor:
         return self.buf[..., : self.n, :]
@@ -270,8 +273,11 @@ class SimulatedLayer(QuantizedLayerBase):
         out.padding, out._padded = padding, True
         out._streams = [r._streams[0] for r in rows]
 
-        def joined(ts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([torch.nn.functional.pad(t, (0, 0, p, 0)) for t, p in zip(ts, pads, strict=True)])
+        def joined(ts: list[torch.Tensor]) -> torch.Tensor:  # [1, ..., T_b, D] each -> [B, ..., T, D], left-padded
+            out = ts[0].new_zeros(len(ts), *ts[0].shape[1:-2], max(pads[0] + ts[0].shape[-2], 1), ts[0].shape[-1])
+            for b, (t, p) in enumerate(zip(ts, pads, strict=True)):
+                out[b, ..., p:, :] = t[0]
+            return out
 
         out._grown = {name: Growing(joined([r._grown[name].value for r in rows])) for name in rows[0]._grown}
         out.keys, out.values = out._grown["k"].value, out._grown["v"].value
@@ -282,6 +288,20 @@ class SimulatedLayer(QuantizedLayerBase):
             trig = [None if rows[0]._pos[i] is None else joined([r._pos[i] for r in rows]) for i in (1, 2)]
             out._pos = Positions(ids, *trig)
         return out
+
+    def select_rows(self, rows: list[int], padding) -> None:
+        """Keep batch rows `rows` of a stacked (padded) layer, in that order (finished generations leave the batch)."""
+        if not self._padded:
+            raise ValueError("select_rows needs a layer of a padded batch (one stream pair per row)")
+        idx = torch.tensor(rows, device=self.keys.device)
+        self._grown = {name: Growing(g.value.index_select(0, idx)) for name, g in self._grown.items()}
+        self.keys, self.values = self._grown["k"].value, self._grown["v"].value
+        self._tk = self._grown["tk"].value if "tk" in self._grown else None
+        self._tv = self._grown["tv"].value if "tv" in self._grown else None
+        if self._pos is not None:
+            self._pos = self._pos.take(idx, slice(None))
+        self._streams = [self._streams[i] for i in rows]
+        self.padding = padding
 
     def prefix_boundary(self, n: int) -> int:
         """Every token is quantized with the group it belongs to by position, and transforms act token by token.

@@ -12,9 +12,9 @@ Caches that cannot be cut (the packed cache) run as before.
 Batches (`batch_size` > 1) of consecutive requests in that order (greedy decoding): each row is prefilled alone from
 the checkpoint through its last prompt token, which gives its first answer token; the rows' caches are stacked into
 one left-padded batch cache (`QuantizedKVCache.stack`: each row keeps its own quantization state, as in any
-left-padded batch), and `generate` decodes the batch from there: the decode, which reads all the weights at every
-step, is shared by the rows. Caches that cannot be stacked run lm-eval's own batching (one left-padded prefill of the
-whole prompts).
+left-padded batch), and a greedy loop decodes the batch from there: the decode, which reads all the weights at every
+step, is shared by the rows, and a row leaves the batch when its answer ends. Caches that cannot be stacked run
+lm-eval's own batching (one left-padded prefill of the whole prompts, each row stopping at its own stop string).
 """
 
 from __future__ import annotations
@@ -93,13 +93,8 @@ class QuantCacheLM(HFLM):
             if self.prefix_reuse and context.shape[0] > 1 and not generation_kwargs.get("do_sample"):
                 stacked = self._stacked(context, mask)
             if stacked is not None:
-                # every row's prompt is in the cache and its first token chosen: generate goes on from there
-                cache, first = stacked
-                context = torch.cat([context, first[:, None]], dim=1)
-                if mask is not None:
-                    generation_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-                if context.shape[1] >= max_length:
-                    return context
+                self.generate_calls += 1
+                return self._decode(*stacked, context, mask, max_length, stop)
             else:
                 cache = self.make_cache()
                 cache.set_padding(mask)
@@ -114,6 +109,42 @@ class QuantCacheLM(HFLM):
             generation_kwargs["tokenizer"] = self.tokenizer
         self.generate_calls += 1
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    @torch.no_grad()
+    def _decode(self, cache, first, context, mask, max_length: int, stop: list[str]) -> torch.Tensor:
+        """Greedy decoding of a stacked batch (`_stacked`): cache holding every row's prompt, first [B] each row's first
+        token, context [B, T] the left-padded prompts -> [B, <= max_length] prompts and continuations (finished rows
+        padded). A row leaves the batch (`select_rows`) as soon as its continuation holds a stop string or ends with
+        EOS, as it would stop alone: the batch shares each step's weight reads among the rows still generating."""
+        B, T = context.shape
+        stops = [s for s in stop if s]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
+        out = torch.full((B, max_length), pad, dtype=context.dtype, device=context.device)
+        out[:, :T], out[:, T] = context, first
+        n = T + 1
+
+        def finished(b: int) -> bool:
+            cont = out[b, T:n]
+            return int(cont[-1]) == self.eot_token_id or any(s in self.tokenizer.decode(cont) for s in stops)
+
+        seen = (torch.ones_like(context) if mask is None else mask).long()  # [B, T] 1 = real token
+        seen = torch.cat([seen, seen.new_ones(B, 1)], dim=1)
+        active = list(range(B))
+        while True:
+            keep = [i for i, b in enumerate(active) if not finished(b)]
+            if len(keep) < len(active):
+                active = [active[i] for i in keep]
+                if active:
+                    cache.select_rows(keep)
+                    seen = seen[keep]
+            if not active or n >= max_length:
+                return out[:, :n]
+            kwargs = {self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}
+            positions = seen.sum(1, keepdim=True) - 1  # each row's position of the token it is fed
+            logits = self.model(input_ids=out[active, n - 1 : n], attention_mask=seen, position_ids=positions, **kwargs)
+            out[active, n] = logits.logits[:, -1].argmax(-1)
+            n += 1
+            seen = torch.cat([seen, seen.new_ones(len(active), 1)], dim=1)
 
     @torch.no_grad()
     def _stacked(self, context: torch.Tensor, mask: torch.Tensor | None):
