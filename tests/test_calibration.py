@@ -183,7 +183,7 @@ def test_methods_experiment_rows_validate(data_dir):
             plan = validate(compose(["experiment=methods", f"quant={row}", f"task={task}", f"data_dir={data_dir}"]))
             assert plan.cache.mode == "packed" and plan.cache.residual_length == 128
         labels.add(plan.cache.label())
-    assert len(labels) == len(rows) == 11
+    assert len(labels) == len(rows) >= 11  # the rows the issue asks for, and the ones added since (innerq:alpha)
 
 
 @pytest.mark.slow

@@ -229,7 +229,10 @@ def test_coqa_padded_rows_cache_what_they_cache_alone(data_dir, tmp_path, monkey
     configs = [sim(kax, vax, S, rope) for kax, vax in AXES for S in (0, 4) for rope in ("post", "pre")]
     shadows = RowShadows(configs, layers=(0, 1, 15, 29))
     monkeypatch.setattr(SimulatedLayer, "update", lambda layer, *a, **kw: shadows(layer, *a, **kw))
-    args = ["model=smollm2-135m", "task=coqa_turns", "limit=6", "batch_size=3", "logger=none", f"data_dir={data_dir}"]
+    # lm-eval's own left-padded prefill (prefix reuse would prefill each row alone and stack the caches: tested in
+    # tests/test_prefix_reuse.py)
+    args = ["model=smollm2-135m", "task=coqa_turns", "limit=6", "batch_size=3", "prefix_reuse=false", "logger=none"]
+    args += [f"data_dir={data_dir}"]
     args += [f"results_dir={tmp_path}", "key_axis=channel", "value_axis=token", "sink_tokens=4", "rope=pre"]
     metrics = run(compose(args))
     assert metrics["coqa_turns/n"] == 6
