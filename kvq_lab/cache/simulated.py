@@ -280,14 +280,18 @@ class SimulatedLayer(QuantizedLayerBase):
             return out
 
         out._grown = {name: Growing(joined([r._grown[name].value for r in rows])) for name in rows[0]._grown}
-        out.keys, out.values = out._grown["k"].value, out._grown["v"].value
-        out._tk = out._grown["tk"].value if "tk" in out._grown else None
-        out._tv = out._grown["tv"].value if "tv" in out._grown else None
+        out._bind()
         if rows[0]._pos is not None:  # positions [1, T] ids, [1, 1, T, D] cos/sin: padded the same way
             ids = torch.cat([torch.nn.functional.pad(r._pos.ids, (p, 0)) for r, p in zip(rows, pads, strict=True)])
             trig = [None if rows[0]._pos[i] is None else joined([r._pos[i] for r in rows]) for i in (1, 2)]
             out._pos = Positions(ids, *trig)
         return out
+
+    def _bind(self) -> None:
+        """Point keys, values and the transformed tensors at the buffers in `_grown` (after they were replaced)."""
+        self.keys, self.values = self._grown["k"].value, self._grown["v"].value
+        self._tk = self._grown["tk"].value if "tk" in self._grown else None
+        self._tv = self._grown["tv"].value if "tv" in self._grown else None
 
     def select_rows(self, rows: list[int], padding) -> None:
         """Keep batch rows `rows` of a stacked (padded) layer, in that order (finished generations leave the batch)."""
@@ -295,9 +299,7 @@ class SimulatedLayer(QuantizedLayerBase):
             raise ValueError("select_rows needs a layer of a padded batch (one stream pair per row)")
         idx = torch.tensor(rows, device=self.keys.device)
         self._grown = {name: Growing(g.value.index_select(0, idx)) for name, g in self._grown.items()}
-        self.keys, self.values = self._grown["k"].value, self._grown["v"].value
-        self._tk = self._grown["tk"].value if "tk" in self._grown else None
-        self._tv = self._grown["tv"].value if "tv" in self._grown else None
+        self._bind()
         if self._pos is not None:
             self._pos = self._pos.take(idx, slice(None))
         self._streams = [self._streams[i] for i in rows]
