@@ -39,6 +39,7 @@ from kvq_lab.cache import CacheConfig  # noqa: E402
 from kvq_lab.cache.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.cache.base import PaddingState  # noqa: E402
 from kvq_lab.cache.packed import PackedLayer  # noqa: E402
+from kvq_lab.kernels import cpu_kernel  # noqa: E402
 from kvq_lab.kernels import triton_kernels as tk  # noqa: E402
 from kvq_lab.kernels.torch_path import decode_attention_torch  # noqa: E402
 from kvq_lab.quant.pack import PackedQTensor  # noqa: E402
@@ -134,9 +135,10 @@ def test_cache_with_triton_backend_stores_the_same_bits(kax, vax):
         torch.testing.assert_close(got, sdpa.transpose(1, 2), rtol=2e-5, atol=2e-6)
 
 
-def test_pre_rope_decode_matches_the_pytorch_path():
-    """rope=pre: keys are re-rotated after dequantization, which the fused kernel does not do, so decode
-    attention hands those layers to the PyTorch path: with backend=triton, the same output as backend=torch."""
+def test_pre_rope_decode_goes_through_the_kernel(monkeypatch):
+    """rope=pre with backend=triton: the routed decode step hands the kernel the pre-RoPE codes with a `RopeView`
+    (keys rotated in the kernel), and the result is backend=torch's (history dequantized and re-rotated in Python)
+    within fp32 rounding."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -152,10 +154,15 @@ def test_pre_rope_decode_matches_the_pytorch_path():
         layer.update(k[:, :, :70], v[:, :, :70])
         for N in range(70, 80):
             layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1])
+    seen = []
+    real = tk.decode_attention
+    monkeypatch.setattr(tk, "decode_attention", lambda view, *a: seen.append(view.rope) or real(view, *a))
     q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(1)).to(DEV)
     handle = PackedKV(layers["triton"])
     got, _ = kvq_sdpa_attention(None, q, handle, handle, None, scaling=0.125)
-    assert torch.equal(got, decode_attention_torch(layers["torch"].decode_view(), q, None, 0.125))
+    assert len(seen) == 1 and seen[0] is not None
+    ref = decode_attention_torch(layers["torch"].decode_view(), q, None, 0.125)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,3 +212,224 @@ def test_every_format_in_the_cache(name):
     ref = decode_attention_torch(th.decode_view(), q, None, 0.125)
     got = tk.decode_attention(tl_.decode_view(), q, None, 0.125)
     torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 14: rope=pre keys, left-padded rows and fp16 / bf16 models in the decode kernel (the C kernel's semantics)
+# ----------------------------------------------------------------------------------------------------------------
+ROPE = frozenset({"rope"})
+PLAIN: frozenset[str] = frozenset()
+
+
+def rotary(D: int):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from kvq_lab.cache.rope import RopeHelper
+
+    cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D, max_position_embeddings=2048)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    return RopeHelper(LlamaRotaryEmbedding(cfg).to(DEV))
+
+
+def fp64_attention(q, K, V, mask, scale):
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), K.double(), V.double(), attn_mask=m, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def streamed(cfg, D, B, L, T, dtype, seed, padding=None, ids=None):
+    """A packed layer (backend=torch: the same bits as triton, quantized without the interpreter) fed a prompt of L
+    tokens, then one token per step up to T; K/V with an outlier channel."""
+    layer = PackedLayer(cfg, rotary(D), padding or PaddingState())
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, 2, T, D, generator=g), torch.randn(B, 2, T, D, generator=g)
+    k[..., 5] *= 8
+    k, v = k.to(dtype).to(DEV), v.to(dtype).to(DEV)
+    kw = {} if ids is None else {"position_ids": ids}
+    layer.update(k[:, :, :L], v[:, :, :L], **kw)
+    for N in range(L, T):
+        kw = {} if ids is None else {"position_ids": ids[:, -1:] + 1 + N - L}
+        layer.update(k[:, :, N : N + 1], v[:, :, N : N + 1], **kw)
+    return layer, g
+
+
+# (key spec, value spec, R, sinks, D, query heads per kv head, batch, prompt, tokens, dtype, positions per program)
+ROPE_CASES = [
+    ((2, 32, "channel"), (2, 32, "token"), 32, 0, 64, 3, 1, 101, 131, torch.float32, 64),  # GQA 3 (a padded head)
+    ((3, 16, "token"), (4, 32, "channel"), 0, 3, 128, 1, 2, 37, 70, torch.float32, None),  # 3-bit words, R=0, MHA
+    ((2, 16, "channel"), (3, 32, "token"), 16, 2, 64, 4, 1, 61, 90, torch.bfloat16, 32),  # bf16, GQA 4, 3 chunks
+    ((4, 32, "channel"), (2, 32, "token"), 32, 5, 64, 2, 1, 45, 53, torch.float16, None),  # fp16, sinks
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}-R{c[2]}-S{c[3]}-D{c[4]}-r{c[5]}-"
+                         f"{str(c[9])[6:]}")  # fmt: skip
+def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
+    """rope=pre keys rotated in the kernel (`view.rope`) give the PyTorch path's output (history dequantized and
+    re-rotated in Python) within rounding, with and without a mask, in one program or several chunks; in fp32 within
+    twice the PyTorch path's error of fp64 attention. The view read without its rotation, or with the inverse
+    rotation (the table's sin negated), differs: the kernel reads the table."""
+    key, value, R, S, D, r, B, L, T, dtype, chunk = case
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend="torch", rope="pre")  # fmt: skip
+    layer, g = streamed(cfg, D, B, L, T, dtype, T + D)
+    view = layer.view_for(ROPE)
+    assert view.rope is not None and view.keys.history is None and view.keys.n > 0  # the kernel reads the codes
+    q = (torch.randn(B, 2 * r, 1, D, generator=g) * 2).to(dtype).to(DEV)
+    scale, N = D**-0.5, layer.N
+    assert tk.supports(view, q, None)
+    mask = torch.randn(B, 1, 1, N, generator=g).to(DEV)
+    tol = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]  # fp32 rounding; one ulp of half
+    for m in (None, mask):
+        got = tk.decode_attention(view, q, m, scale, chunk=chunk)
+        assert got.dtype == dtype and got.shape == (B, 1, 2 * r, D)
+        ours = decode_attention_torch(layer.view_for(PLAIN), q, m, scale)
+        torch.testing.assert_close(got.float(), ours.float(), rtol=tol, atol=tol)
+        if dtype == torch.float32:
+            K, V = layer.materialize()
+            exact = fp64_attention(q, K, V, m, scale)
+            err_kernel = (got.double() - exact).abs().max().item()
+            err_torch = (ours.double() - exact).abs().max().item()
+            assert err_kernel <= 2 * err_torch + 5e-6, (err_kernel, err_torch)
+    ref = decode_attention_torch(layer.view_for(PLAIN), q, None, scale).float()
+    unrotated = tk.decode_attention(view._replace(rope=None), q, None, scale, chunk=chunk).float()
+    inverse = view._replace(rope=view.rope._replace(sin=-view.rope.sin))
+    inverted = tk.decode_attention(inverse, q, None, scale, chunk=chunk).float()
+    assert (unrotated - ref).abs().max() > 1e-2 and (inverted - ref).abs().max() > 1e-2
+
+
+# (key spec, value spec, R, sinks, rope, pads per row, prompt length, tokens, dtype, positions per program)
+PAD_CASES = [
+    # rope=pre, row 2's first chunk all padding (40 pads > 32 positions per program)
+    ((2, 32, "channel"), (2, 32, "token"), 32, 2, "pre", [0, 5, 40], 75, 100, torch.float32, 32),
+    ((3, 32, "token"), (2, 16, "channel"), 0, 3, "post", [9, 0, 72], 75, 90, torch.float32, None),  # a row < sinks+R
+    ((2, 32, "channel"), (4, 32, "token"), 32, 4, "pre", [0, 71], 74, 84, torch.bfloat16, None),  # 3 real tokens, bf16
+]
+
+
+@pytest.mark.parametrize("case", PAD_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}-R{c[2]}-S{c[3]}-{c[4]}-B{len(c[5])}-"
+                         f"{str(c[8])[6:]}")  # fmt: skip
+def test_padded_rows_in_the_kernel_match_attention_over_the_padded_cache(case):
+    """A left-padded batch: each row read with its own padding, sinks, history and window (per-row starts and
+    counts), rope=pre keys at each row's own position ids, against SDPA over the materialized cache with the padding
+    mask (bool and additive): within rounding, and in fp32 within twice its error of fp64. The same view read as if
+    unpadded differs (the kernel reads the pads)."""
+    key, value, R, S, rope, pads, L, T, dtype, chunk = case
+    B, D, r = len(pads), 64, 3
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend="torch", rope=rope)  # fmt: skip
+    padding = PaddingState()
+    real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]  # [B, L] 0...0 1...1
+    padding.prompt_mask = real.long().to(DEV)
+    ids = (real.cumsum(1) - 1).clamp(min=0).to(DEV)  # the position ids generate gives a left-padded prompt
+    layer, g = streamed(cfg, D, B, L, T, dtype, L + T, padding, ids)
+    view = layer.view_for(frozenset({"rope", "rows"}))
+    assert view.pads is not None and (view.rope is not None) == (rope == "pre")
+    q = (torch.randn(B, 2 * r, 1, D, generator=g) * 2).to(dtype).to(DEV)
+    scale, N = D**-0.5, layer.N
+    K, V = layer.materialize()
+    valid = torch.cat([real, torch.ones(B, N - L, dtype=torch.bool)], 1)[:, None, None, :].to(DEV)  # [B, 1, 1, N]
+    additive = torch.where(valid, torch.randn(B, 1, 1, N, generator=g).to(DEV), float("-inf"))
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    for mask in (valid, additive):
+        assert tk.supports(view, q, mask)
+        got = tk.decode_attention(view, q, mask, scale, chunk=chunk)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), K.float(), V.float(), attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(1, 2)
+        torch.testing.assert_close(got.float(), sdpa, rtol=tol, atol=tol)
+        if dtype == torch.float32:
+            exact = fp64_attention(q, K, V, mask, scale)
+            err_kernel = (got.double() - exact).abs().max().item()
+            assert err_kernel <= 2 * (sdpa.double() - exact).abs().max().item() + 5e-6
+    if DEV == "cpu" and cpu_kernel.build_error() is None:  # the C kernel's semantics: the same result on this view
+        c = cpu_kernel.decode_attention(view, q, additive, scale)
+        torch.testing.assert_close(got, c, rtol=tol / 4, atol=tol / 4)
+    unpadded = view._replace(pads=torch.zeros_like(view.pads))
+    assert (tk.decode_attention(unpadded, q, valid, scale, chunk=chunk) - got).abs().max() > 1e-2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the NaN-poisoned rows, on purpose
+def test_what_the_kernel_refuses():
+    """A mask per query head is not the kernel's: a plain view takes the PyTorch path (same result), a view with
+    rope=pre or pads is refused (it would be read wrongly there). rope=pre ids outside the table are refused on CPU
+    tensors and poison the output (NaN) in the kernel itself, never a silent wrong answer."""
+    cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                      residual_length=32, backend="torch", rope="pre")  # fmt: skip
+    layer, g = streamed(cfg, 64, 1, 70, 72, torch.float32, 5)
+    q = torch.randn(1, 4, 1, 64, generator=g).to(DEV)
+    per_head = torch.randn(1, 4, 1, layer.N, generator=g).to(DEV)
+    view = layer.view_for(ROPE)
+    plain = view._replace(rope=None)  # the codes as stored, read by either path
+    assert not tk.supports(plain, q, per_head) and tk.supports(view, q, None)
+    fallback = tk.decode_attention(plain, q, per_head, 0.125)
+    assert torch.equal(fallback, decode_attention_torch(plain, q, per_head, 0.125))
+    with pytest.raises(ValueError, match="cannot take this query, mask or view"):
+        tk.decode_attention(view, q, per_head, 0.125)
+    bad = view._replace(rope=view.rope._replace(pos=view.rope.pos + view.rope.cos.shape[0]))
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="position ids outside the RopeView table"):
+            tk.decode_attention(bad, q, None, 0.125)
+        tk._check_rope_ids, real = (lambda view: None), tk._check_rope_ids
+        try:
+            assert tk.decode_attention(bad, q, None, 0.125).isnan().all()
+        finally:
+            tk._check_rope_ids = real
+    else:
+        assert tk.decode_attention(bad, q, None, 0.125).isnan().all()
+
+
+def test_window_keys_round_to_bf16_as_torch():
+    """A rotated rope=pre window key of a bf16 model is rounded to bf16 as `.to(torch.bfloat16)` does (to nearest,
+    ties to even; inf stays inf), on the bit pattern: the interpreter's own cast truncates."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_bf16(x_ptr, o_ptr, n: tl.constexpr):
+        i = tl.arange(0, n)
+        tl.store(o_ptr + i, tk._round_to(tl.load(x_ptr + i), 2))
+
+    g = torch.Generator().manual_seed(3)
+    ties = (torch.arange(1, 9, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)  # halfway between two bf16
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), 3.3e38, -1.0 - 2**-9])
+    x = torch.cat([torch.randn(1024 - 16, generator=g) * 3, ties, special]).to(DEV)
+    out = torch.empty_like(x)
+    round_bf16[(1,)](x, out, n=1024)
+    assert torch.equal(out, x.bfloat16().float())
+    assert not torch.equal(out, (x.view(torch.int32) & -65536).view(torch.float32))  # truncation would fail
+
+
+@pytest.mark.slow  # ~20 s of CPU under the interpreter (the quantize kernels run every step too)
+def test_padded_generation_goes_through_the_kernel(monkeypatch, rope="pre"):
+    """A left-padded batch of 3 prompts on a tiny Llama (GQA 2, D=64), rope=pre: backend=triton generates
+    backend=torch's greedy tokens (which materializes the padded cache for the model's SDPA), every decode step of
+    every layer through the kernel with a padded view and a rope view."""
+    from conftest import tiny_llama
+
+    from kvq_lab.cache import QuantizedKVCache
+
+    model = tiny_llama().to(DEV)
+    calls = []
+    real = tk.decode_attention
+    monkeypatch.setattr(tk, "decode_attention", lambda view, *a: calls.append((view.pads, view.rope)) or real(view, *a))
+    g = torch.Generator().manual_seed(13)
+    lengths = [45, 12, 38]
+    mask = (torch.arange(45)[None] >= 45 - torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(3, 256, (3, 45), generator=g) * mask  # pad token 0 on the left
+    ids, mask = ids.to(DEV), mask.to(DEV)
+    out = {}
+    for backend in ("triton", "torch"):
+        cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                          residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+        cache = QuantizedKVCache.for_model(model, cfg)
+        cache.set_padding(mask)
+        with torch.no_grad():
+            out[backend] = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                                          min_new_tokens=8, do_sample=False)[:, 45:]  # fmt: skip
+    assert torch.equal(out["triton"], out["torch"])
+    assert len(calls) == 7 * model.config.num_hidden_layers
+    assert all(p is not None and (r is not None) == (rope == "pre") for p, r in calls)

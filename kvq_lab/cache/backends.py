@@ -94,11 +94,17 @@ class CpuBackend(TorchBackend):
 
 
 class TritonBackend:
-    """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton_kernels`."""
+    """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton_kernels`
+    (decode attention: rope=pre keys rotated in the kernel, left-padded rows, fp32 / fp16 / bf16 models)."""
 
     name = "triton"
-    features: frozenset[str] = frozenset()  # rope=pre and padded rows: not yet in the Triton kernel
-    supports = TorchBackend.supports
+    features = frozenset({"rope", "rows"})
+
+    @staticmethod
+    def supports(view, query, mask) -> bool:
+        from kvq_lab.kernels import triton_kernels as tk
+
+        return tk.supports(view, query, mask)
 
     @staticmethod
     def write(store, x, t0, valid, rows):

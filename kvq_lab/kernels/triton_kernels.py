@@ -27,6 +27,8 @@ Import is lazy (only `backend=triton` or `auto` on a CUDA machine loads this mod
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -99,17 +101,15 @@ def _codes_to_words(codes, TT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr
 
 
 @triton.jit
-def _load_codes(
-    p_ptr, i, valid, spr, D: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr
-):
-    """Codes int32 [len(i), D] of storage positions i (any order) from packed storage at p_ptr (row stride spr)."""
-    d = tl.arange(0, D)
+def _load_codes(p_ptr, i, valid, spr, d, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr):
+    """Codes int32 [len(i), len(d)] of storage positions i and channels d (any order) from packed storage at p_ptr
+    (row stride spr)."""
     blk = i // BLK
     w_in = i % BLK
     plane = w_in // M
     row = blk * (NB * M) + w_in % M
-    word = tl.zeros((i.shape[0], D), dtype=tl.int32)
-    for j in tl.static_range(NB):
+    word = tl.load(p_ptr + row[:, None] * spr + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    for j in tl.static_range(1, NB):
         byte = tl.load(p_ptr + (row + j * M)[:, None] * spr + d[None, :], mask=valid[:, None], other=0)
         word = word | (byte.to(tl.int32) << (8 * j))
     return (word >> (plane * BITS)[:, None]) & ((1 << BITS) - 1)
@@ -299,7 +299,7 @@ def _dequant_kernel(
     pos = tl.program_id(1) * TT + tl.arange(0, TT)
     d = tl.arange(0, D)
     ok = pos < n
-    c = _load_codes(p_ptr + b * spb + h * sph, pos, ok, spr, D, BITS, NB, M, BLK)
+    c = _load_codes(p_ptr + b * spb + h * sph, pos, ok, spr, d, BITS, NB, M, BLK)
     c = _code_values(c, t_ptr, ok, HAS_TABLE)
     if AXIS_TOKEN:
         q_off = b * sqb + h * sqh + pos[:, None] * sqt + (d // G)[None, :]
@@ -342,19 +342,35 @@ def dequantize_packed(packed, scale, zero, spec: QuantSpec, length: int, dtype=t
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. fused decode attention over packed K/V (GQA; fp sinks and fp windows included)
+# 3. fused decode attention over packed K/V (GQA; sinks, history, window; rope=pre keys; left-padded rows)
 # ----------------------------------------------------------------------------------------------------------------
+#
+# The C kernel's semantics (`cpu_kernel.c`), on a grid of (batch row x kv head, chunk of positions) programs
+# (flash-decoding: long caches split over programs, then `_combine_kernel` merges the chunks' softmax partials).
+# A program reads each K/V row once for all R query heads of its kv head (GQA without repeating K/V).
+# Position p of row b (j = p - pads[b], its index among the row's real tokens; pads 0 without `rows`):
+#     j < 0                   padding: score -inf, weight 0, never read
+#     j < s                   sink j, exact (post-RoPE keys), the model's dtype
+#     t = p - start < count   history, storage position t: table[code] * scale (+ zero), two roundings (no fma)
+#     else                    window row W - (N - p) of the window buffer, the model's dtype
+# (start, count) = (starts[b], counts[b]) of the stream with `rows`, (s, n) without: keys and values split apart.
+# rope=pre: history and window keys are stored pre-RoPE; each is rotated at its position id pos[b, p] from the fp32
+# table rows c = cos[id], s = sin[id] ([D/2]) in rotate_half's pairing, the reference's order of operations:
+#     k[i] = k[i] * c[i] - k[i + D/2] * s[i],   k[i + D/2] = k[i + D/2] * c[i] + k[i] * s[i]
+# so keys are read as their two halves. A rotated window key of an fp16 / bf16 model is rounded to that dtype (round
+# to nearest even), as the PyTorch path re-rotates the window in the model's dtype. An id outside [0, P) poisons the
+# row (NaN score: the output is NaN, never a silent wrong answer; the launcher refuses such ids on CPU tensors).
 
 
 @triton.jit
 def _deq_rows(
-    p_ptr, spr, s_ptr, z_ptr, sqt, t_ptr, i, ok,
-    D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
+    p_ptr, spr, s_ptr, z_ptr, sqt, t_ptr, i, ok, d,
+    G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
     AXIS_TOKEN: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):  # fmt: skip
-    """Dequantized rows [len(i), D] (fp32) of storage positions i: table[code] * scale (+ zero); zero where not ok."""
-    d = tl.arange(0, D)
-    c = _code_values(_load_codes(p_ptr, i, ok, spr, D, BITS, NB, M, BLK), t_ptr, ok, HAS_TABLE)
+    """Dequantized rows [len(i), len(d)] (fp32) of storage positions i, channels d: table[code] * scale (+ zero);
+    zero where not ok."""
+    c = _code_values(_load_codes(p_ptr, i, ok, spr, d, BITS, NB, M, BLK), t_ptr, ok, HAS_TABLE)
     if AXIS_TOKEN:
         q_off = i[:, None] * sqt + (d // G)[None, :]
     else:
@@ -367,112 +383,339 @@ def _deq_rows(
 
 
 @triton.jit
-def _fp_rows(ptr, st, idx, ok, D: tl.constexpr):
-    d = tl.arange(0, D)
+def _fp_rows(ptr, st, idx, ok, d):
+    """Rows [len(idx), len(d)] (fp32) idx of an exact buffer (row stride st) in the model's dtype; zero where not ok."""
     return tl.load(ptr + idx[:, None] * st + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
+def _round_to(x, XDT: tl.constexpr):
+    """x (fp32) rounded to the model's dtype (0 fp32: as is, 1 fp16, 2 bf16; round to nearest even) and back. bf16 on
+    the bit pattern, as the C kernel: TRITON_INTERPRET's `.to(tl.bfloat16)` truncates (measured, triton 3.9)."""
+    if XDT == 1:
+        return x.to(tl.float16).to(tl.float32)
+    elif XDT == 2:
+        u = x.to(tl.uint32, bitcast=True)
+        finite = (u & 0x7F800000) != 0x7F800000
+        u = tl.where(finite, u + (0x7FFF + ((u >> 16) & 1)), u)  # round the low 16 bits to nearest even
+        return (u & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
 def _decode_attn_kernel(
-    q_ptr, sqb_, sqh_,  # query [B, Hq, 1, D], pre-scaled
-    o_ptr, sob, soh,  # output [B, 1, Hq, D] (fp32)
-    # sinks [B, Hkv, S_cap, D] (keys, values), the first s positions
-    sk_ptr, sv_ptr, ssb, ssh, sst, s,
-    # key history: packed + params (+ the format's table), positions [S, S + qk); key window [B, Hkv, Wk, D] =
-    # positions [N - Wk, N)
-    kp_ptr, kpb, kph, kpr, ks_ptr, kz_ptr, kqb, kqh, kqt, kt_ptr, qk,
-    kw_ptr, kwb, kwh, kwt, Wk, wk,
-    # value history and window, the same
-    vp_ptr, vpb, vph, vpr, vs_ptr, vz_ptr, vqb, vqh, vqt, vt_ptr, qv,
-    vw_ptr, vwb, vwh, vwt, Wv, wv,
-    Hq, R, N, S,
-    D: tl.constexpr, BLK: tl.constexpr, TT: tl.constexpr,
+    q_ptr, sqb_, sqh_,  # query fp32 [B, Hq, (1,) D], pre-scaled: rows at q + b * sqb_ + head * sqh_
+    o_ptr, sob, soh,  # output fp32 [B, Hq, D] (one chunk), or
+    part_ptr,  # fp32 [B * Hkv, C, RP, D + 2] per chunk: score max, sum of exp, weighted values (SPLIT)
+    mask_ptr, smb,  # fp32 additive mask [B, N] (HAS_MASK)
+    pads_ptr,  # int64 [B] padding positions per row (ROWS)
+    rc_ptr, rs_ptr, P, pos_ptr, spb_,  # fp32 cos/sin [P, D/2], int32 position ids [B, >= N] (ROPE)
+    # keys: sinks [B, Hkv, >= s, D]; packed history + params (+ the format's table), per-row start and count
+    # (int64 [B], ROWS) or n; window buffer [B, Hkv, W, D]
+    ksk_ptr, kskb, kskh, kskt,
+    kp_ptr, kpb, kph, kpr, ks_ptr, kz_ptr, kqb, kqh, kqt, kt_ptr, kst_ptr, kcnt_ptr, kn,
+    kw_ptr, kwb, kwh, kwt, Wk,
+    # values, the same
+    vsk_ptr, vskb, vskh, vskt,
+    vp_ptr, vpb, vph, vpr, vs_ptr, vz_ptr, vqb, vqh, vqt, vt_ptr, vst_ptr, vcnt_ptr, vn,
+    vw_ptr, vwb, vwh, vwt, Wv,
+    Hkv, R, N, s, CH,  # s: sink positions present; CH: positions per program (a multiple of TT)
+    D: tl.constexpr, H2: tl.constexpr, RP: tl.constexpr, TT: tl.constexpr, BLK: tl.constexpr,
     KG: tl.constexpr, KBITS: tl.constexpr, KNB: tl.constexpr, KM: tl.constexpr, K_TOKEN: tl.constexpr,
-    K_TABLE: tl.constexpr, K_ZERO: tl.constexpr,
+    K_TABLE: tl.constexpr, K_ZERO: tl.constexpr, KXDT: tl.constexpr,
     VG: tl.constexpr, VBITS: tl.constexpr, VNB: tl.constexpr, VM: tl.constexpr, V_TOKEN: tl.constexpr,
     V_TABLE: tl.constexpr, V_ZERO: tl.constexpr,
+    ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # one program per (batch row, query head); its kv head is hq // R (GQA without repeating K/V)
-    pid = tl.program_id(0)
-    b, hq = pid // Hq, pid % Hq
-    hk = hq // R
+    bh = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b, hk = bh // Hkv, bh % Hkv
+    r = tl.arange(0, RP)  # query heads hk * R + r of this kv head (RP: R rounded up to a power of two)
+    rok = r < R
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb_ + hq * sqh_ + d).to(tl.float32)
-    m = tl.full((), float("-inf"), tl.float32)  # running max, normaliser, weighted sum (online softmax)
-    l_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    for t0 in range(0, N, TT):
-        pos = t0 + tl.arange(0, TT)
-        live = pos < N
-        is_sink = pos < s
-        # keys: sink | history | window, each position from exactly one source
-        k_hist = (pos >= S) & (pos < S + qk)
-        k_win = live & (pos >= N - wk)
-        k = _fp_rows(sk_ptr + b * ssb + hk * ssh, sst, pos, is_sink, D)
-        k += _deq_rows(
-            kp_ptr + b * kpb + hk * kph, kpr, ks_ptr + b * kqb + hk * kqh, kz_ptr + b * kqb + hk * kqh, kqt, kt_ptr,
-            pos - S, k_hist, D, KG, KBITS, KNB, KM, BLK, K_TOKEN, K_TABLE, K_ZERO,
-        )  # fmt: skip
-        k += _fp_rows(kw_ptr + b * kwb + hk * kwh, kwt, pos - (N - Wk), k_win, D)
-        scores = tl.sum(k * q[None, :], axis=1)
-        scores = tl.where(live, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new)
-        # values: sink | history | window (their own split)
-        v_hist = (pos >= S) & (pos < S + qv)
-        v_win = live & (pos >= N - wv)
-        v = _fp_rows(sv_ptr + b * ssb + hk * ssh, sst, pos, is_sink, D)
-        v += _deq_rows(
-            vp_ptr + b * vpb + hk * vph, vpr, vs_ptr + b * vqb + hk * vqh, vz_ptr + b * vqb + hk * vqh, vqt, vt_ptr,
-            pos - S, v_hist, D, VG, VBITS, VNB, VM, BLK, V_TOKEN, V_TABLE, V_ZERO,
-        )  # fmt: skip
-        v += _fp_rows(vw_ptr + b * vwb + hk * vwh, vwt, pos - (N - Wv), v_win, D)
-        l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+    dl = tl.arange(0, H2)  # key halves: channels [0, D/2) and [D/2, D) (rotate_half's pairs for rope=pre)
+    dh = dl + H2
+    q_row = q_ptr + b * sqb_ + (hk * R + r) * sqh_
+    q_lo = tl.load(q_row[:, None] + dl[None, :], mask=rok[:, None], other=0.0)  # [RP, D/2]
+    q_hi = tl.load(q_row[:, None] + dh[None, :], mask=rok[:, None], other=0.0)
+    if ROWS:
+        pad = tl.load(pads_ptr + b)
+        k0 = tl.load(kst_ptr + b)
+        kc = tl.load(kcnt_ptr + b)
+        v0 = tl.load(vst_ptr + b)
+        vc = tl.load(vcnt_ptr + b)
+    else:
+        pad = 0
+        k0 = s
+        kc = kn
+        v0 = s
+        vc = vn
+    # this (b, kv head)'s segments
+    ksink = ksk_ptr + b * kskb + hk * kskh
+    kpack = kp_ptr + b * kpb + hk * kph
+    kscale = ks_ptr + b * kqb + hk * kqh
+    kzero = kz_ptr + b * kqb + hk * kqh
+    kwin = kw_ptr + b * kwb + hk * kwh
+    vsink = vsk_ptr + b * vskb + hk * vskh
+    vpack = vp_ptr + b * vpb + hk * vph
+    vscale = vs_ptr + b * vqb + hk * vqh
+    vzero = vz_ptr + b * vqb + hk * vqh
+    vwin = vw_ptr + b * vwb + hk * vwh
+
+    m = tl.full((RP,), float("-inf"), tl.float32)  # online softmax per query head: running max, sum, values
+    l_sum = tl.zeros((RP,), tl.float32)
+    acc = tl.zeros((RP, D), tl.float32)
+    p_lo = chunk * CH
+    p_hi = tl.minimum(p_lo + CH, N)
+    for t0 in range(p_lo, p_hi, TT):
+        p = t0 + tl.arange(0, TT)
+        j = p - pad
+        live = (p < p_hi) & (j >= 0)
+        sink = live & (j < s)
+        rest = live & (j >= s)
+        # keys, as two halves [TT, D/2]
+        kt = p - k0
+        k_hist = rest & (kt < kc)
+        k_win = rest & (kt >= kc)
+        krow = Wk - (N - p)
+        s_lo = _fp_rows(ksink, kskt, j, sink, dl)
+        s_hi = _fp_rows(ksink, kskt, j, sink, dh)
+        x_lo = _deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dl, KG, KBITS, KNB, KM, BLK, K_TOKEN,
+                         K_TABLE, K_ZERO)  # fmt: skip
+        x_hi = _deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dh, KG, KBITS, KNB, KM, BLK, K_TOKEN,
+                         K_TABLE, K_ZERO)  # fmt: skip
+        x_lo += _fp_rows(kwin, kwt, krow, k_win, dl)
+        x_hi += _fp_rows(kwin, kwt, krow, k_win, dh)
+        if ROPE:  # rotate history and window keys at their position ids; sinks are post-RoPE already
+            ids = tl.load(pos_ptr + b * spb_ + p, mask=rest, other=0)
+            in_table = (ids >= 0) & (ids < P)
+            t_ok = rest & in_table
+            c = tl.load(rc_ptr + ids[:, None] * H2 + dl[None, :], mask=t_ok[:, None], other=0.0)
+            sn = tl.load(rs_ptr + ids[:, None] * H2 + dl[None, :], mask=t_ok[:, None], other=0.0)
+            c = tl.where((rest & ~in_table)[:, None], float("nan"), c)  # outside the table: poison the row
+            r_lo = x_lo * c - x_hi * sn
+            r_hi = x_hi * c + x_lo * sn
+            r_lo = tl.where(k_win[:, None], _round_to(r_lo, KXDT), r_lo)
+            r_hi = tl.where(k_win[:, None], _round_to(r_hi, KXDT), r_hi)
+            k_lo = tl.where(sink[:, None], s_lo, r_lo)
+            k_hi = tl.where(sink[:, None], s_hi, r_hi)
+        else:
+            k_lo = s_lo + x_lo
+            k_hi = s_hi + x_hi
+        scores = tl.sum(q_lo[:, None, :] * k_lo[None, :, :], axis=2)  # [RP, TT]
+        scores += tl.sum(q_hi[:, None, :] * k_hi[None, :, :], axis=2)
+        if HAS_MASK:
+            scores += tl.load(mask_ptr + b * smb + p, mask=live, other=0.0)[None, :]
+        scores = tl.where(live[None, :], scores, float("-inf"))  # [RP, TT]
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of padding or masked positions only
+        alpha = tl.exp(m - shift)
+        w = tl.exp(scores - shift[:, None])
+        # values [TT, D]: their own split
+        vt = p - v0
+        v_hist = rest & (vt < vc)
+        v_win = rest & (vt >= vc)
+        v = _fp_rows(vsink, vskt, j, sink, d)
+        v += _deq_rows(vpack, vpr, vscale, vzero, vqt, vt_ptr, vt, v_hist, d, VG, VBITS, VNB, VM, BLK, V_TOKEN,
+                       V_TABLE, V_ZERO)  # fmt: skip
+        v += _fp_rows(vwin, vwt, Wv - (N - p), v_win, d)
+        l_sum = l_sum * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    tl.store(o_ptr + b * sob + hq * soh + d, acc / l_sum)
+    if SPLIT:
+        part = part_ptr + ((bh * tl.num_programs(1) + chunk) * RP + r) * (D + 2)
+        tl.store(part, m, mask=rok)
+        tl.store(part + 1, l_sum, mask=rok)
+        tl.store(part[:, None] + 2 + d[None, :], acc, mask=rok[:, None])
+    else:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # every position masked: 0 (acc 0), as the C kernel
+        tl.store(o_ptr + b * sob + (hk * R + r)[:, None] * soh + d[None, :], out, mask=rok[:, None])
 
 
-def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
-    """Triton twin of `torch_path.decode_attention_torch`: query [B, Hq, 1, D] -> [B, 1, Hq, D]."""
+@triton.jit
+def _combine_kernel(part_ptr, o_ptr, sob, soh, Hkv, R, C, D: tl.constexpr, RP: tl.constexpr):
+    """The C chunks' partials of one (batch row, kv head) -> its R query heads' outputs (flash-decoding's merge)."""
+    bh = tl.program_id(0)
+    b, hk = bh // Hkv, bh % Hkv
+    r = tl.arange(0, RP)
+    rok = r < R
+    d = tl.arange(0, D)
+    base = part_ptr + bh * C * RP * (D + 2) + r * (D + 2)
+    mx = tl.full((RP,), float("-inf"), tl.float32)
+    for c in range(C):
+        mx = tl.maximum(mx, tl.load(base + c * RP * (D + 2), mask=rok, other=float("-inf")))
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.zeros((RP,), tl.float32)
+    out = tl.zeros((RP, D), tl.float32)
+    for c in range(C):
+        pc = base + c * RP * (D + 2)
+        f = tl.exp(tl.load(pc, mask=rok, other=float("-inf")) - shift)  # a chunk with nothing attended: 0
+        total += f * tl.load(pc + 1, mask=rok, other=0.0)
+        out += f[:, None] * tl.load(pc[:, None] + 2 + d[None, :], mask=rok[:, None], other=0.0)
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_ptr + b * sob + (hk * R + r)[:, None] * soh + d[None, :], out, mask=rok[:, None])
+
+
+XDTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the model's dtype (window, sinks, query)
+TILE = 32  # positions per loop step: [RP, TILE, D] products in registers
+MIN_CHUNK = 256  # positions per program at least (a program's fixed cost: its query, one partial)
+
+
+def _runs_here(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
+    """Whether the kernel takes this view, query and mask: a CUDA device (CPU tensors under TRITON_INTERPRET=1), an
+    fp32, fp16 or bf16 model (query, sinks and windows in one dtype), a power-of-two head dim, masks shared by the
+    query heads ([B or 1, 1, 1, >= N]), rope=pre keys from a `RopeView` (int32 position ids), padded rows with their
+    int64 starts and counts. Otherwise `decode_attention` takes the PyTorch path for a plain view and refuses a view
+    with `rope` or `pads` (`kvq_lab.cache.attention` rebuilds or materializes those)."""
+    B, Hq, _, D = query.shape
+    ks, vs = view.keys, view.values
+    Hkv = ks.sink.shape[1]
+    dev = query.device
+    tensors = (ks.sink, vs.sink, ks.window, vs.window)
+    if not (_runs_here(dev) and all(t.device == dev for t in tensors)):
+        return False
+    if not (query.dtype in XDTS and all(t.dtype == query.dtype for t in tensors)):
+        return False
+    if D < 2 or D & (D - 1) or Hq % Hkv or any(t.stride(-1) != 1 for t in tensors):
+        return False
+    if mask is not None and not (mask.dim() == 4 and mask.shape[0] in (1, B) and mask.shape[1] == mask.shape[2] == 1
+                                 and mask.shape[3] >= view.N):  # fmt: skip
+        return False
+    rope = view.rope
+    if rope is not None:
+        ok = rope.cos.dtype == rope.sin.dtype == torch.float32 and rope.cos.is_contiguous() and rope.sin.is_contiguous()
+        if not (ok and rope.cos.shape == rope.sin.shape and rope.cos.shape[-1] == D // 2):
+            return False
+        if rope.pos.dtype != torch.int32 or rope.pos.stride(-1) != 1 or rope.pos.shape[-1] < view.N:
+            return False
+    if view.pads is not None:
+        rows = (view.pads, ks.starts, ks.counts, vs.starts, vs.counts)
+        if any(t is None or t.dtype != torch.int64 or t.shape != (B,) or not t.is_contiguous() for t in rows):
+            return False
+    return True
+
+
+def _additive_mask(mask, B: int, N: int) -> torch.Tensor:
+    """fp32 [B, N] from SDPA's [B or 1, 1, 1, >= N] bool or float mask (the last N positions)."""
+    mask = mask[..., -N:].expand(B, 1, 1, N).reshape(B, N)
+    if mask.dtype == torch.bool:
+        return torch.zeros(B, N, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.float().contiguous()
+
+
+def _check_rope_ids(view: DecodeView) -> None:
+    """CPU tensors (the interpreter): refuse rope=pre key rows whose position id is outside the table, as the C
+    kernel does (on CUDA the kernel poisons such rows with NaN instead: reading the ids back would sync every step)."""
+    rope, N = view.rope, view.N
+    B = rope.pos.shape[0]
+    j = torch.arange(N)[None] - (0 if view.pads is None else view.pads[:, None])
+    ids = rope.pos[:, :N]
+    bad = int((((ids < 0) | (ids >= rope.cos.shape[0])) & (j >= min(view.sink_tokens, N))).expand(B, N).sum())
+    if bad:
+        raise ValueError(
+            f"{bad} rope=pre key rows have position ids outside the RopeView table [0, {rope.cos.shape[0]}): "
+            "build the table over every id in RopeView.pos"
+        )
+
+
+_SMS: dict = {}
+
+
+def _chunk(N: int, programs: int, device: torch.device) -> int:
+    """Positions per program: enough programs to fill the GPU (about two per SM), at least MIN_CHUNK positions each."""
+    if device.type != "cuda":
+        sms = 1
+    else:
+        if device not in _SMS:
+            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SMS[device]
+    per = -(-N // max(1, -(-2 * sms // programs)))
+    return max(MIN_CHUNK, -(-per // TILE) * TILE)
+
+
+def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float, chunk: int | None = None):
+    """Triton twin of `torch_path.decode_attention_torch` and `cpu_kernel.decode_attention`: query [B, Hq, 1, D] ->
+    [B, 1, Hq, D] in the query's dtype (fp32 accumulation). Reads `view.rope` (pre-RoPE keys rotated in the kernel)
+    and `view.pads` (left-padded rows). chunk: positions per program (a multiple of TILE; default: `_chunk`)."""
     check_codes_only(view, "the Triton decode kernel")
-    if mask is not None:  # padded batches take the gather path; a mask here is not expected
+    if not supports(view, query, mask):
+        if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
+            raise ValueError(
+                "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
+                "without `rope` and `pads` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
+            )
         return decode_attention_torch(view, query, mask, scaling)
     B, Hq, _, D = query.shape
-    N, S = view.N, view.sink_tokens
+    N, dev = view.N, query.device
     ks, vs = view.keys, view.values
-    Hkv = ks.window.shape[1]
+    Hkv = ks.sink.shape[1]
+    R = Hq // Hkv
+    RP = max(2, triton.next_power_of_2(R))
+    if view.rope is not None and dev.type == "cpu":
+        _check_rope_ids(view)
+    chunk = chunk or _chunk(N, B * Hkv, dev)
+    if chunk % TILE:
+        raise ValueError(f"chunk={chunk}: positions per program must be a multiple of TILE={TILE}")
+    C = max(1, -(-N // chunk))
     q = (query.float() * scaling).contiguous()
-    out = torch.empty(B, 1, Hq, D, dtype=torch.float32, device=query.device)
-    dummy_p = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=query.device)
-    dummy_q = torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=query.device)
-    dummy_t = torch.zeros(1, dtype=torch.float32, device=query.device)
-    kp, ksc, kz = (ks.codes, ks.scale, ks.zero) if ks.codes is not None else (dummy_p, dummy_q, dummy_q)
-    vp, vsc, vz = (vs.codes, vs.scale, vs.zero) if vs.codes is not None else (dummy_p, dummy_q, dummy_q)
-    k_zero, v_zero = kz is not None, vz is not None  # formats without a zero point (fp8) add none
-    kz, vz = (kz if k_zero else dummy_q), (vz if v_zero else dummy_q)
-    kt, vt = (ks.table if ks.table is not None else dummy_t), (vs.table if vs.table is not None else dummy_t)
-    ku, knb = word_layout(ks.bits)
-    vu, vnb = word_layout(vs.bits)
-    sk, sv = ks.sink, vs.sink
-    kw, vw = ks.window, vs.window
-    _decode_attn_kernel[(B * Hq,)](
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
+    part = torch.empty(B * Hkv * C * RP * (D + 2) if C > 1 else 1, dtype=torch.float32, device=dev)
+    f32 = torch.zeros(1, dtype=torch.float32, device=dev)
+    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    add = _additive_mask(mask, B, N) if mask is not None else f32
+    rope = view.rope
+    rc, rs, P, pos = (rope.cos, rope.sin, rope.cos.shape[0], rope.pos) if rope is not None else (f32, f32, 0, i64)
+    pads = view.pads if view.pads is not None else i64
+
+    def stream(sv):
+        """A stream's launch arguments (dummies where it holds no history) and constexprs."""
+        if sv.codes is not None and sv.n:
+            c, sc, z = sv.codes, sv.scale, sv.zero
+        else:
+            c, sc, z = i64.view(torch.uint8).view(1, 1, 8, 1), f32.view(torch.float16).view(1, 1, 2, 1), None
+        zt = z if z is not None else sc  # never read (HAS_ZERO false)
+        table = sv.table if sv.table is not None else f32
+        st, cnt = (sv.starts, sv.counts) if view.pads is not None else (i64, i64)
+        sink, win = sv.sink, sv.window
+        u, nb = word_layout(sv.bits)
+        args = [
+            sink, sink.stride(0), sink.stride(1), sink.stride(2),
+            c, c.stride(0), c.stride(1), c.stride(2), sc, zt, sc.stride(0), sc.stride(1), sc.stride(2), table, st,
+            cnt, sv.n if sv.codes is not None else 0,
+            win, win.stride(0), win.stride(1), win.stride(2), win.shape[2],
+        ]  # fmt: skip
+        const = dict(G=sv.group_size, BITS=sv.bits, NB=nb, M=BLOCK // u, TOKEN=sv.axis == "token",
+                     TABLE=sv.table is not None, ZERO=z is not None)  # fmt: skip
+        return args, const
+
+    kargs, kc = stream(ks)
+    vargs, vc = stream(vs)
+    _decode_attn_kernel[(B * Hkv, C)](
         q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(2),
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), min(S, N),
-        kp, kp.stride(0), kp.stride(1), kp.stride(2), ksc, kz, ksc.stride(0), ksc.stride(1), ksc.stride(2), kt, ks.n,
-        kw, kw.stride(0), kw.stride(1), kw.stride(2), kw.shape[2], ks.w,
-        vp, vp.stride(0), vp.stride(1), vp.stride(2), vsc, vz, vsc.stride(0), vsc.stride(1), vsc.stride(2), vt, vs.n,
-        vw, vw.stride(0), vw.stride(1), vw.stride(2), vw.shape[2], vs.w,
-        Hq, Hq // Hkv, N, S,
-        D=D, BLK=BLOCK, TT=64,
-        KG=ks.group_size, KBITS=ks.bits, KNB=knb, KM=BLOCK // ku, K_TOKEN=ks.axis == "token",
-        K_TABLE=ks.table is not None, K_ZERO=k_zero,
-        VG=vs.group_size, VBITS=vs.bits, VNB=vnb, VM=BLOCK // vu, V_TOKEN=vs.axis == "token",
-        V_TABLE=vs.table is not None, V_ZERO=v_zero,
+        out, out.stride(0), out.stride(1),
+        part,
+        add, add.stride(0) if mask is not None else 0,
+        pads,
+        rc, rs, P, pos, pos.stride(0) if rope is not None else 0,
+        *kargs, *vargs,
+        Hkv, R, N, min(view.sink_tokens, N), chunk,
+        D=D, H2=D // 2, RP=RP, TT=TILE, BLK=BLOCK,
+        KG=kc["G"], KBITS=kc["BITS"], KNB=kc["NB"], KM=kc["M"], K_TOKEN=kc["TOKEN"], K_TABLE=kc["TABLE"],
+        K_ZERO=kc["ZERO"], KXDT=XDTS[ks.window.dtype],
+        VG=vc["G"], VBITS=vc["BITS"], VNB=vc["NB"], VM=vc["M"], V_TOKEN=vc["TOKEN"], V_TABLE=vc["TABLE"],
+        V_ZERO=vc["ZERO"],
+        ROWS=view.pads is not None, ROPE=rope is not None, HAS_MASK=mask is not None, SPLIT=C > 1,
+        enable_fp_fusion=False,  # the reference's roundings: dequantization and rotation without fma
     )  # fmt: skip
-    return out.to(query.dtype)
+    if C > 1:
+        _combine_kernel[(B * Hkv,)](part, out, out.stride(0), out.stride(1), Hkv, R, C, D=D, RP=RP)
+    out = out.view(B, 1, Hq, D)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def reference_qtensor(packed, scale, zero, spec: QuantSpec, length: int, dtype=torch.float32) -> QTensor:
