@@ -4,6 +4,7 @@
     python scripts/bench_cache.py --json cache_speed.json   # the same, and one JSON object per row
     python scripts/bench_cache.py --quick              # a short smoke run (256 tokens, 1 repeat, 12 new tokens)
     python scripts/bench_cache.py --lengths 512 --repeats 2 --new-tokens 24 --settings fp32-b1
+    python scripts/bench_cache.py --device cuda --only "ours packed"   # on a GPU (auto: the Triton kernels)
 
 Settings (`--settings`): the model's dtype and batch. `fp32-b1` (the full comparison), `bf16-b1` (the model in bf16)
 and `fp32-b4` (a left-padded batch of 4 prompts of L, 7L/8, 6L/8 and 5L/8 tokens, L the prompt length). Each setting
@@ -186,20 +187,30 @@ def batch_prompt(text_ids: torch.Tensor, L: int, batch: int) -> tuple[torch.Tens
     return ids, mask
 
 
+def clock(device: torch.device) -> float:
+    """perf_counter once the device's queued work is done (CUDA runs asynchronously: time the work, not its launch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @torch.no_grad()
 def run_once(model, make, ids, mask, new_tokens: int, warmup: int) -> dict:
     """Prefill ids [B, L] (mask: left padding, or None), then `new_tokens` greedy steps of one token per row."""
     cache = make()
+    dev = model.device
     kw = {cache_kwarg(): cache, "use_cache": True}
     pos = None
     if mask is not None:  # a left-padded batch: the mask and the position ids generate would pass
         if isinstance(cache, QuantizedKVCache):
             cache.set_padding(mask)
+        mask = mask.to(dev)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         kw.update(attention_mask=mask, position_ids=pos)
-    t0 = time.perf_counter()
-    out = model(ids.to(model.device), **kw)
-    prefill = time.perf_counter() - t0
+    ids = ids.to(dev)
+    t0 = clock(dev)
+    out = model(ids, **kw)
+    prefill = clock(dev) - t0
     nxt = out.logits[:, -1:].argmax(-1)
     peak = cache_bytes(cache)
     steps = []
@@ -209,10 +220,10 @@ def run_once(model, make, ids, mask, new_tokens: int, warmup: int) -> dict:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
             pos = pos[:, -1:] + 1
             kw.update(attention_mask=mask, position_ids=pos)
-        t0 = time.perf_counter()
+        t0 = clock(dev)
         out = model(nxt, **kw)
         nxt = out.logits[:, -1:].argmax(-1)
-        steps.append(time.perf_counter() - t0)
+        steps.append(clock(dev) - t0)
         tokens.append(nxt[:, 0].tolist())
         b = cache_bytes(cache)
         if b[0] > peak[0]:
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--recompute-rank", type=int, default=128, help="rank of the recompute cache's projection of X")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of cache labels to run (DynamicCache always)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the model and caches run")
     ap.add_argument("--json", type=Path, default=None, help='write {"rows": [...]} here (keys: module docstring)')
     args = ap.parse_args(argv)
     quick = args.quick
@@ -253,10 +265,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     rows_out: list[dict] = []
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = args.device
+    where = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or platform.machine()
     print(
-        f"# {args.model} on {dev} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+        f"# {args.model} on {dev} ({where}, {torch.get_num_threads()} threads), "
         f"torch {torch.__version__}, greedy, {new_tokens} new tokens ({warmup} warm-up steps untimed), median of "
         f"{repeats} interleaved runs"
     )
@@ -264,7 +279,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for setting in args.settings:
         dtype, batch = SETTINGS[setting]
         if model is None:
-            model, tok = load_model(args.model, dtype=dtype)
+            model, tok = load_model(args.model, dtype=dtype, device=dev)
             cache_bytes.text_cfg = model.config.get_text_config(decoder=True)
         model = model.to(dtype)
         caches = make_caches(model, args.bits, args.group_size, args.residual, args.recompute_rank,
