@@ -558,7 +558,7 @@ def _combine_kernel(part_ptr, o_ptr, sob, soh, Hkv, R, C, D: tl.constexpr, RP: t
 
 
 XDTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the model's dtype (window, sinks, query)
-TILE = 32  # positions per loop step: [RP, TILE, D] products in registers
+MAX_TILE = 32  # positions per loop step, at most (`_attn_tile`)
 MIN_CHUNK = 256  # positions per program at least (a program's fixed cost: its query, one partial)
 
 
@@ -626,7 +626,13 @@ def _check_rope_ids(view: DecodeView) -> None:
 _SMS: dict = {}
 
 
-def _chunk(N: int, programs: int, device: torch.device) -> int:
+def _attn_tile(RP: int, D: int) -> int:
+    """Positions per loop step: the [RP, tile, D] products stay at 32 fp32 registers per thread of 4 warps (measured
+    in the sm_90 build: a fixed tile of 32 took 255 registers and spilled at RP=4, D=128)."""
+    return max(8, min(MAX_TILE, 4096 // (RP * D)))
+
+
+def _chunk(N: int, programs: int, device: torch.device, tile: int) -> int:
     """Positions per program: enough programs to fill the GPU (about two per SM), at least MIN_CHUNK positions each."""
     if device.type != "cuda":
         sms = 1
@@ -635,13 +641,14 @@ def _chunk(N: int, programs: int, device: torch.device) -> int:
             _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         sms = _SMS[device]
     per = -(-N // max(1, -(-2 * sms // programs)))
-    return max(MIN_CHUNK, -(-per // TILE) * TILE)
+    return max(MIN_CHUNK, -(-per // tile) * tile)
 
 
 def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float, chunk: int | None = None):
     """Triton twin of `torch_path.decode_attention_torch` and `cpu_kernel.decode_attention`: query [B, Hq, 1, D] ->
     [B, 1, Hq, D] in the query's dtype (fp32 accumulation). Reads `view.rope` (pre-RoPE keys rotated in the kernel)
-    and `view.pads` (left-padded rows). chunk: positions per program (a multiple of TILE; default: `_chunk`)."""
+    and `view.pads` (left-padded rows). chunk: positions per program (a multiple of `_attn_tile`, 8 always is; default:
+    `_chunk`)."""
     check_codes_only(view, "the Triton decode kernel")
     if not supports(view, query, mask):
         if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
@@ -658,9 +665,10 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     RP = max(2, triton.next_power_of_2(R))
     if view.rope is not None and dev.type == "cpu":
         _check_rope_ids(view)
-    chunk = chunk or _chunk(N, B * Hkv, dev)
-    if chunk % TILE:
-        raise ValueError(f"chunk={chunk}: positions per program must be a multiple of TILE={TILE}")
+    tile = _attn_tile(RP, D)
+    chunk = chunk or _chunk(N, B * Hkv, dev, tile)
+    if chunk % tile:
+        raise ValueError(f"chunk={chunk}: positions per program must be a multiple of {tile} (the loop's tile)")
     C = max(1, -(-N // chunk))
     q = (query.float() * scaling).contiguous()
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
@@ -704,7 +712,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         rc, rs, P, pos, pos.stride(0) if rope is not None else 0,
         *kargs, *vargs,
         Hkv, R, N, min(view.sink_tokens, N), chunk,
-        D=D, H2=D // 2, RP=RP, TT=TILE, BLK=BLOCK,
+        D=D, H2=D // 2, RP=RP, TT=tile, BLK=BLOCK,
         KG=kc["G"], KBITS=kc["BITS"], KNB=kc["NB"], KM=kc["M"], K_TOKEN=kc["TOKEN"], K_TABLE=kc["TABLE"],
         K_ZERO=kc["ZERO"], KXDT=XDTS[ks.window.dtype],
         VG=vc["G"], VBITS=vc["BITS"], VNB=vc["NB"], VM=vc["M"], V_TOKEN=vc["TOKEN"], V_TABLE=vc["TABLE"],
