@@ -2,8 +2,10 @@
 
 What they compute is pinned by the PyTorch reference (`kvq_lab.quant.reference`, `kvq_lab.quant.pack`,
 `kvq_lab.kernels.torch_path.decode_attention_torch`); tests run them on CPU under `TRITON_INTERPRET=1` and require
-identical codes and parameters, identical dequantized values, and attention within fp32 rounding. Entry points take
-plain tensors (decode attention: a `kvq_lab.kernels.view.DecodeView`); `kvq_lab.cache.backends` wires them in.
+identical codes and parameters, identical dequantized values, and attention within fp32 rounding
+(tests/test_triton_compile.py also builds every launch for sm_90 without a GPU). Entry points take plain tensors
+(decode attention: a `kvq_lab.kernels.view.DecodeView`, with its `rope` and `pads` extensions, the C kernel's
+semantics: section 3); `kvq_lab.cache.backends` wires them in.
 
 Layout (see `kvq_lab/quant/pack.py`): a tensor's codes are stored along tokens in blocks of BLOCK = 32 tokens;
 a block is `U` planes of `M = BLOCK / U` tokens, and word (r, d) holds the codes of tokens r, r + M, ... of the
@@ -40,6 +42,7 @@ from kvq_lab.quant.spec import QuantSpec
 
 from .torch_path import decode_attention_torch
 from .view import DecodeView, check_codes_only
+from .workspace import const
 
 # dequantization and decode attention load table[code] for any fp32 table of 2^bits entries: every code format
 add_kernel_support("triton", EVERY_FORMAT)
@@ -673,8 +676,9 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     q = (query.float() * scaling).contiguous()
     out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
     part = torch.empty(B * Hkv * C * RP * (D + 2) if C > 1 else 1, dtype=torch.float32, device=dev)
-    f32 = torch.zeros(1, dtype=torch.float32, device=dev)
-    i64 = torch.zeros(1, dtype=torch.int64, device=dev)
+    # placeholders for arguments a launch never reads (built once per device: no allocation per layer and step)
+    f32 = const("triton-f32", dev, lambda: torch.zeros(1, dtype=torch.float32))
+    i64 = const("triton-i64", dev, lambda: torch.zeros(1, dtype=torch.int64))
     add = _additive_mask(mask, B, N) if mask is not None else f32
     rope = view.rope
     rc, rs, P, pos = (rope.cos, rope.sin, rope.cos.shape[0], rope.pos) if rope is not None else (f32, f32, 0, i64)
