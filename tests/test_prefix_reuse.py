@@ -147,18 +147,27 @@ def _filled(model, cfg: CacheConfig, k, v):
 @pytest.mark.parametrize("sinks", [0, 5])
 @pytest.mark.parametrize("transform", [(), ("rope_pre", "hadamard")])
 @pytest.mark.parametrize("lengths", [[70, 37, 53], [41, 41]])
-def test_stacked_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, transform, lengths):
+def test_stacked_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, transform, lengths, monkeypatch):
     """`QuantizedKVCache.stack`: a batch of caches of different lengths decodes, row by row, bit for bit what each
-    cache decodes alone (its own groups, sinks and positions), for three more tokens, crossing a group boundary."""
+    cache decodes alone (its own groups, sinks and positions), for 18 more tokens: every row fills and opens groups
+    of 16 and 8. Untransformed tensors take the one-call step of all rows (`FakeQuantStream.step_rows`, counted)."""
+    from kvq_lab.cache.simulated import FakeQuantStream
+
+    calls = []
+    step_rows = FakeQuantStream.step_rows
+    monkeypatch.setattr(FakeQuantStream, "step_rows", lambda *a: calls.append(step_rows(*a)) or calls[-1])
     cfg = cfg_of(ka, va, sinks, key_transform=transform)
     g = torch.Generator().manual_seed(5)
-    kv = [(torch.randn(1, 2, n + 3, 64, generator=g), torch.randn(1, 2, n + 3, 64, generator=g)) for n in lengths]
+    steps = 18
+    kv = [
+        (torch.randn(1, 2, n + steps, 64, generator=g), torch.randn(1, 2, n + steps, 64, generator=g)) for n in lengths
+    ]
     alone = [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
     batch = QuantizedKVCache.stack(
         [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
     )
     T = max(lengths)
-    for step in range(3):
+    for step in range(steps):
         k_new = torch.cat([k[:, :, n + step : n + step + 1] for (k, _), n in zip(kv, lengths, strict=True)])
         v_new = torch.cat([v[:, :, n + step : n + step + 1] for (_, v), n in zip(kv, lengths, strict=True)])
         pos = torch.tensor([[n + step] for n in lengths])
@@ -169,6 +178,36 @@ def test_stacked_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, tran
             assert torch.equal(K[b : b + 1, :, real], K1) and torch.equal(V[b : b + 1, :, real], V1)
     # the comparison can fail: the first row's keys are not the last row's
     assert not torch.equal(K[0:1, :, -5:], K1[:, :, -5:])
+    # values always, keys where no transform wraps them: every step in one call
+    assert calls.count(True) == steps * (1 if transform else 2) and False not in calls
+
+
+@pytest.mark.parametrize("keys", ["16-bit", "outliers"])
+def test_stacked_rows_off_the_one_call_step_decode_as_alone(tiny_model, keys):
+    """16-bit keys take the one-call step (a copy of the new column); values with outliers kept exact run row by row
+    (`step_rows` declines): both decode bit for bit as the rows alone."""
+    from dataclasses import replace
+
+    key = QuantSpec(16, 16, "channel") if keys == "16-bit" else QuantSpec(2, 16, "channel")
+    cfg = replace(cfg_of("channel", "token"), key=key)
+    if keys == "outliers":
+        cfg = replace(cfg, value_outliers=0.05)
+    g = torch.Generator().manual_seed(6)
+    lengths = [45, 20]
+    kv = [(torch.randn(1, 2, n + 18, 64, generator=g), torch.randn(1, 2, n + 18, 64, generator=g)) for n in lengths]
+    alone = [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
+    batch = QuantizedKVCache.stack(
+        [_filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n]) for (k, v), n in zip(kv, lengths, strict=True)]
+    )
+    for step in range(18):
+        k_new = torch.cat([k[:, :, n + step : n + step + 1] for (k, _), n in zip(kv, lengths, strict=True)])
+        v_new = torch.cat([v[:, :, n + step : n + step + 1] for (_, v), n in zip(kv, lengths, strict=True)])
+        pos = torch.tensor([[n + step] for n in lengths])
+        K, V = batch.update(k_new, v_new, 0, kwargs={"position_ids": pos})
+        for b, n in enumerate(lengths):
+            K1, V1 = alone[b].update(k_new[b : b + 1], v_new[b : b + 1], 0, kwargs={"position_ids": pos[b : b + 1]})
+            real = slice(max(lengths) - n, None)
+            assert torch.equal(K[b : b + 1, :, real], K1) and torch.equal(V[b : b + 1, :, real], V1)
 
 
 def test_stack_refuses_padded_or_empty_rows(tiny_model):
@@ -186,9 +225,11 @@ def test_stack_refuses_padded_or_empty_rows(tiny_model):
 
 
 @pytest.mark.parametrize("ka,va", [("channel", "token"), ("token", "token")])
-def test_lm_wrapper_batches_with_reuse_as_batch_one(tiny_model_dir, ka, va):
-    """Prefix reuse with batch_size=3: each row prefilled alone from the checkpoint, stacked, decoded in one batch:
-    the same answers as batch 1 without reuse, two generate calls for six requests, and the checkpoint serves."""
+def test_lm_wrapper_batches_with_reuse_as_batch_one(tiny_model_dir, ka, va, monkeypatch):
+    """Continuous batching with prefix reuse, batch_size=3: each request prefilled alone from the checkpoint, the first
+    three stacked, each later one taking a finished row's place in the running batch (answers of 2 to 7 tokens, so
+    rows end at different steps): the same answers as batch 1 without reuse, one fresh cache per request, and the
+    checkpoint serves."""
     from transformers import AutoTokenizer
 
     from kvq_lab.eval.lm import QuantCacheLM
@@ -198,7 +239,77 @@ def test_lm_wrapper_batches_with_reuse_as_batch_one(tiny_model_dir, ka, va):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = cfg_of(ka, va, kg=32, vg=32)
     make = lambda: QuantizedKVCache.for_model(model, cfg)  # noqa: E731
-    expected = QuantCacheLM(model, tok, make, prefix_reuse=False).generate_until(_requests(tok), disable_tqdm=True)
+
+    def requests():
+        out = _requests(tok)
+        for r in out:  # a budget per request: rows leave the batch at different steps
+            r.arguments = (r.args[0], {**r.args[1], "max_gen_toks": 2 + r.idx % 6})
+        return out
+
+    expected = QuantCacheLM(model, tok, make, prefix_reuse=False).generate_until(requests(), disable_tqdm=True)
+    assert len({len(tok(a)["input_ids"]) for a in expected}) > 2
+    admitted = []
+    admit = QuantizedKVCache.admit
+    monkeypatch.setattr(QuantizedKVCache, "admit", lambda self, b, row: admitted.append(b) or admit(self, b, row))
     lm = QuantCacheLM(model, tok, make, batch_size=3, prefix_reuse=True)
-    assert lm.generate_until(_requests(tok), disable_tqdm=True) == expected
-    assert lm.generate_calls == 2 and lm.prefix_tokens > 100
+    assert lm.generate_until(requests(), disable_tqdm=True) == expected
+    assert len(admitted) == 3 and lm.generate_calls == 6 and lm.prefix_tokens > 100
+
+
+@pytest.mark.parametrize("ka,va", [("channel", "token"), ("token", "channel")])
+@pytest.mark.parametrize("sinks", [0, 5])
+@pytest.mark.parametrize("transform", [(), ("rope_pre", "hadamard")])
+def test_admitted_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, transform):
+    """Continuous batching (`QuantizedKVCache.admit`, `trim_padding`): rows put into a running batch in place of
+    finished ones, longer than the batch (every other row padded further) or shorter, decode bit for bit what they
+    decode alone, and so do the rows already there; dropping the columns that became padding everywhere changes
+    nothing either."""
+    cfg = cfg_of(ka, va, sinks, key_transform=transform)
+    g = torch.Generator().manual_seed(7)
+    lengths = {"a": 70, "b": 37, "c": 90, "d": 20, "e": 30}
+    kv = {
+        r: (torch.randn(1, 2, n + 40, 64, generator=g), torch.randn(1, 2, n + 40, 64, generator=g))
+        for r, n in lengths.items()
+    }
+    fed = dict(lengths)  # tokens each row's cache holds
+
+    def row(r):
+        (k, v), n = kv[r], lengths[r]
+        return _filled(tiny_model, cfg, k[:, :, :n], v[:, :, :n])
+
+    alone = {r: row(r) for r in lengths}
+    batch = QuantizedKVCache.stack([row("a"), row("b")])
+    slots = ["a", "b"]
+
+    def steps(n):
+        for _ in range(n):
+            k_new = torch.cat([kv[r][0][:, :, fed[r] : fed[r] + 1] for r in slots])
+            v_new = torch.cat([kv[r][1][:, :, fed[r] : fed[r] + 1] for r in slots])
+            pos = torch.tensor([[fed[r]] for r in slots])
+            for i in range(1, len(batch.layers)):  # every layer steps, as in a forward pass; layer 0 is compared
+                batch.update(k_new, v_new, i, kwargs={"position_ids": pos})
+            K, V = batch.update(k_new, v_new, 0, kwargs={"position_ids": pos})
+            mask = batch.batch_mask()
+            for b, r in enumerate(slots):
+                K1, V1 = alone[r].update(k_new[b : b + 1], v_new[b : b + 1], 0, kwargs={"position_ids": pos[b : b + 1]})
+                fed[r] += 1
+                real = mask[b].bool()
+                assert int(real.sum()) == fed[r]
+                assert torch.equal(K[b][:, real], K1[0]) and torch.equal(V[b][:, real], V1[0])
+
+    steps(3)
+    batch.admit(1, row("c"))  # longer than the batch: 17 more padding columns before "a"
+    slots[1] = "c"
+    assert batch.get_seq_length() == lengths["c"]
+    steps(3)
+    batch.admit(0, row("d"))  # shorter
+    slots[0] = "d"
+    steps(18)  # across groups of 16 and 8
+    batch.admit(1, row("e"))  # the longest row leaves: leading columns are padding everywhere
+    slots[1] = "e"
+    before = batch.get_seq_length()
+    dropped = batch.trim_padding()
+    assert dropped > 0 and batch.get_seq_length() == before - dropped == max(fed["d"], fed["e"])
+    steps(5)
+    with pytest.raises(ValueError, match="slot 2"):
+        batch.admit(2, row("a"))

@@ -112,6 +112,15 @@ class QuantizedLayerBase(DynamicLayer):
         """Keep batch rows `rows` of a stacked layer, in that order (`stackable` layers implement it)."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop rows of a batch")
 
+    def admit(self, slot: int, row, grow: int, padding: PaddingState) -> None:
+        """Put the layer of a single-prompt cache `row` into batch row `slot` of a stacked layer, after `grow` more
+        padding columns before every row (`stackable` layers implement it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take a row into a batch")
+
+    def drop_left(self, k: int, padding: PaddingState) -> None:
+        """Forget the first k columns of a stacked layer, padding in every row (`stackable` layers implement it)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop columns of a batch")
+
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("kvq_lab caches support greedy and sampling decoding, not beam search")
 

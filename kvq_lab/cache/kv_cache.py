@@ -96,6 +96,39 @@ class QuantizedKVCache(Cache):
         for layer in self.layers:
             layer.select_rows(rows, self.padding)
 
+    def batch_mask(self) -> torch.Tensor:
+        """[B, T] long, 1 = a real token, of every position the cache holds (a stacked batch's left padding is 0)."""
+        B, T = self.layers[0].keys.shape[0], self.get_seq_length()
+        valid = self.padding.valid(B, T)
+        return torch.ones(B, T, dtype=torch.long, device=self.layers[0].keys.device) if valid is None else valid.long()
+
+    def admit(self, slot: int, row: QuantizedKVCache) -> None:
+        """Put the single prompt `row` (filled, unpadded, batch 1) into batch row `slot` of this stacked cache, in place
+        of the row there (a finished generation): left-padded to the batch's length, or, where it is longer, every
+        other row padded further on the left. It decodes on as it would alone, as after `stack`; the others as
+        before. Continuous batching (`kvq_lab.eval.lm`) keeps the batch full with it. The row is consumed."""
+        B, T, n = self.layers[0].keys.shape[0], self.get_seq_length(), row.get_seq_length()
+        if not 0 <= slot < B:
+            raise ValueError(f"slot {slot} is not a row of this batch of {B}")
+        grow = max(n - T, 0)
+        mask = torch.nn.functional.pad(self.batch_mask(), (grow, 0))
+        mask[slot] = (torch.arange(T + grow, device=mask.device) >= T + grow - n).long()
+        self.padding.prompt_mask = mask
+        for i, layer in enumerate(self.layers):
+            layer.admit(slot, row.layers[i], grow, self.padding)
+
+    def trim_padding(self) -> int:
+        """Drop the leading columns that are padding in every row of a stacked batch (left when its longest rows
+        leave) -> how many: attention no longer reads them."""
+        mask = self.batch_mask()
+        k = int((mask.cumsum(1) == 0).all(0).sum())
+        k = min(k, mask.shape[1] - 1)
+        if k > 0:
+            self.padding.prompt_mask = mask[:, k:]
+            for layer in self.layers:
+                layer.drop_left(k, self.padding)
+        return k
+
     def prefix_boundary(self, n: int) -> int:
         """Where the first n tokens of a prompt may be cut so that this cache, filled with the tokens before the cut
         and then with the rest, holds what it holds after the whole prompt (`QuantizedLayerBase.prefix_boundary`);

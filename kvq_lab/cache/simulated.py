@@ -85,6 +85,46 @@ class FakeQuantStream:
             self.done += keep
         return lo, torch.cat([*parts, deq], dim=-2) if parts else deq
 
+    @staticmethod
+    def step_rows(streams: list[FakeQuantStream], exact: torch.Tensor, pads: list[int], out: torch.Tensor) -> bool:
+        """One decode step of a left-padded batch, every row's stream at once: exact [B, H, T, D] (row b's real tokens
+        at positions pads[b] onwards, one new token each since the previous call), out [B, H, >= T, D] what attention
+        sees, rewritten where it changes. The same arithmetic as `tail` row by row, in one fake-quant call: a row's
+        open per-channel group is its last tokens zero-padded to G in both. Returns False, having done nothing, where
+        it does not apply (outliers; kept final groups; a row that got more than one token or whose new token is a
+        sink; a batch narrower than a group): `tail` then runs row by row."""
+        first = streams[0]
+        spec, B, T = first.spec, exact.shape[0], exact.shape[-2]
+        lens = [T - p for p in pads]
+        if first.outliers is not None or first.keep_final or len(streams) != B:
+            return False
+        if any(st.seen != n - 1 or n - 1 < st.sink for st, n in zip(streams, lens, strict=True)):
+            return False
+        open_ = [n - st.sink - st.done for st, n in zip(streams, lens, strict=True)]  # tokens after the final groups
+        G = 1 if spec.is_identity or spec.axis == "token" else spec.group_size
+        if T < G or any(not 1 <= k <= G for k in open_):
+            return False
+        if G == 1:  # a new token is a group of its own (or not quantized): the same column for every row
+            new = exact[..., T - 1 :, :]
+            out[..., T - 1 : T, :] = new if spec.is_identity else fake_quant(new, spec, None, partial="zero")
+        else:
+            j = torch.arange(G, device=exact.device)
+            shift = torch.tensor([G - k for k in open_], device=exact.device)[:, None]  # [B, 1]
+            src = j[None] + shift  # [B, G]: window column of the group's token j (past the window: zero padding)
+            window = exact[..., T - G :, :]
+            idx = src.clamp(max=G - 1)[:, None, :, None].expand_as(window)
+            group = torch.where((src < G)[:, None, :, None], window.gather(2, idx), 0.0)
+            deq = fake_quant(group, spec, None, partial="zero")
+            back = j[None] - shift  # [B, G]: group token of window column j (negative: before the open group)
+            idx = back.clamp(min=0)[:, None, :, None].expand_as(window)
+            seen = out[..., T - G : T, :]
+            out[..., T - G : T, :] = torch.where((back >= 0)[:, None, :, None], deq.gather(2, idx), seen)
+        for st, n, k in zip(streams, lens, open_, strict=True):
+            st.seen = n
+            if not spec.is_identity and k == G:
+                st.done += G
+        return True
+
     def view(self, exact: torch.Tensor) -> torch.Tensor:
         """exact [B, H, T, D] (all tokens so far, no padding) -> what attention sees [B, H, T, D]."""
         if not self.keep_final:
@@ -116,33 +156,52 @@ def _around(
 
 class Growing:
     """A [B, H, T, D] tensor growing along tokens, with spare room: appending copies the new tokens only
-    (amortized), where a `torch.cat` per step would copy the whole history."""
+    (amortized), where a `torch.cat` per step would copy the whole history. A batch (`SimulatedLayer.admit`) can
+    also grow it on the left (more padding before every row) and drop leading columns, both in place where the
+    room allows."""
 
     def __init__(self, x: torch.Tensor):
-        self.buf, self.n = x, x.shape[-2]
+        self.buf, self.off, self.n = x, 0, x.shape[-2]  # the tokens are buf[..., off : off + n, :]
 
     def __deepcopy__(self, memo) -> Growing:
         return Growing(self.value.clone())  # the tokens, not the spare room
 
     @property
     def value(self) -> torch.Tensor:
-        return self.buf[..., : self.n, :]
+        return self.buf[..., self.off : self.off + self.n, :]
+
+    def _move(self, left: int, n: int) -> None:
+        """Copy the tokens into a new buffer with `left` free columns before them and room for n tokens in all."""
+        shape = list(self.buf.shape)
+        shape[-2] = left + max(n, 2 * self.n, 64)
+        buf = self.buf.new_empty(shape)
+        buf[..., left : left + self.n, :] = self.value
+        self.buf, self.off = buf, left
 
     def grow_to(self, n: int) -> None:
         """Make room for n tokens (positions past the old length are left as they are: write them)."""
-        if n > self.buf.shape[-2]:
-            shape = list(self.buf.shape)
-            shape[-2] = max(n, 2 * shape[-2], 64)
-            buf = self.buf.new_empty(shape)
-            buf[..., : self.n, :] = self.buf[..., : self.n, :]
-            self.buf = buf
+        if self.off + n > self.buf.shape[-2]:
+            self._move(self.off, n)
         self.n = max(self.n, n)
 
     def append(self, x: torch.Tensor) -> torch.Tensor:
         n = self.n
         self.grow_to(n + x.shape[-2])
-        self.buf[..., n : self.n, :] = x
+        self.value[..., n:, :] = x
         return self.value
+
+    def grow_left(self, e: int) -> None:
+        """e more leading columns, zero in every row."""
+        if e > self.off:
+            self._move(max(e, self.n // 2, 64), self.n + e)
+        self.off -= e
+        self.n += e
+        self.buf[..., self.off : self.off + e, :] = 0
+
+    def drop_left(self, k: int) -> None:
+        """Forget the first k columns."""
+        self.off += k
+        self.n -= k
 
 
 def simulate(
@@ -243,18 +302,29 @@ class SimulatedLayer(QuantizedLayerBase):
         seen_k, seen_v = self._seen("sk", self.keys), self._seen("sv", self.values)
         # one stream pair over all rows (nothing padded: batch 1), else one per row, each on the row's real tokens
         # alone, exactly as for a batch of one (padding positions keep their exact values)
-        rows = (
-            [(slice(None), 0)] if not self._padded else [(slice(b, b + 1), p) for b, p in enumerate(left_pads(valid))]
-        )
+        pads = left_pads(valid) if self._padded else [0]
+        rows = [(slice(None), 0)] if not self._padded else [(slice(b, b + 1), p) for b, p in enumerate(pads)]
+        # a decode step of a padded batch: all rows in one call where it applies (untransformed tensors)
+        tensors = ((self.keys, self.k_pipe, seen_k), (self.values, self.v_pipe, seen_v))
+        batched = [
+            self._padded
+            and key_states.shape[-2] == 1
+            and pipe is None
+            and FakeQuantStream.step_rows([pair[i] for pair in self._streams], exact, pads, seen.value)
+            for i, (exact, pipe, seen) in enumerate(tensors)
+        ]
         for (r, p), (k_stream, v_stream) in zip(rows, self._streams, strict=True):
+            if all(batched):
+                break
             keys, values, tk, tv = [None if x is None else x[r, :, p:] for x in self._tensors()]
             pos = None if self._pos is None else self._pos.take(r, slice(p, None))
-            for exact, tx, pipe, stream, seen in (
-                (keys, tk, self.k_pipe, k_stream, seen_k),
-                (values, tv, self.v_pipe, v_stream, seen_v),
+            for exact, tx, pipe, stream, seen, done in (
+                (keys, tk, self.k_pipe, k_stream, seen_k, batched[0]),
+                (values, tv, self.v_pipe, v_stream, seen_v, batched[1]),
             ):
-                lo, part = stream.tail(exact) if pipe is None else _tail_around(stream, exact, tx, pipe, pos)
-                seen.buf[r, :, p + lo : p + lo + part.shape[-2]] = part
+                if not done:
+                    lo, part = stream.tail(exact) if pipe is None else _tail_around(stream, exact, tx, pipe, pos)
+                    seen.value[r, :, p + lo : p + lo + part.shape[-2]] = part
         # the new tokens only: history was checked when it arrived (a whole-history scan costs ~13% of decode)
         self.check_finite(key_states, value_states)
         return seen_k.value, seen_v.value
@@ -292,6 +362,45 @@ class SimulatedLayer(QuantizedLayerBase):
         self.keys, self.values = self._grown["k"].value, self._grown["v"].value
         self._tk = self._grown["tk"].value if "tk" in self._grown else None
         self._tv = self._grown["tv"].value if "tv" in self._grown else None
+
+    def admit(self, slot: int, row: SimulatedLayer, grow: int, padding) -> None:
+        """Put the layer of an unpadded batch-1 cache `row` into batch row `slot` of this stacked layer, in place of
+        the row there (a finished generation), `grow` more padding columns first before every row (the new row is
+        longer than the batch): it carries on with its own streams, as in `stack`. Costs the new row's tokens (and
+        the new columns), not the batch's."""
+        if row._streams is None or row._padded or row.keys.shape[0] != 1:
+            raise ValueError("admit takes a filled, unpadded cache of one prompt")
+        if not self._padded:
+            raise ValueError("admit needs a layer of a padded batch (stack the first rows)")
+        for name, g in self._grown.items():
+            if grow:
+                g.grow_left(grow)
+            src = row._grown[name].value[0]
+            g.value[slot, ..., : g.n - src.shape[-2], :] = 0
+            g.value[slot, ..., g.n - src.shape[-2] :, :] = src
+        self._bind()
+        self._streams[slot] = row._streams[0]
+        self.padding = padding
+        if self._pos is not None:  # positions of rope_pre: ids [B, T], cos/sin [B, 1, T, D], padded as in `stack`
+            F = torch.nn.functional
+            ids, trig = self._pos.ids, [self._pos.cos, self._pos.sin]
+            ids = F.pad(ids, (grow, 0))
+            ids[slot] = F.pad(row._pos.ids[0], (ids.shape[1] - row._pos.ids.shape[1], 0))
+            for i, (t, new) in enumerate(zip(trig, (row._pos.cos, row._pos.sin), strict=True)):
+                if t is not None:
+                    t = F.pad(t, (0, 0, grow, 0))
+                    t[slot] = F.pad(new[0], (0, 0, t.shape[2] - new.shape[2], 0))
+                    trig[i] = t
+            self._pos = Positions(ids, *trig)
+
+    def drop_left(self, k: int, padding) -> None:
+        """Forget the first k columns of a stacked layer (padding in every row: `QuantizedKVCache.trim_padding`)."""
+        for g in self._grown.values():
+            g.drop_left(k)
+        self._bind()
+        if self._pos is not None:
+            self._pos = self._pos.take(slice(None), slice(k, None))
+        self.padding = padding
 
     def select_rows(self, rows: list[int], padding) -> None:
         """Keep batch rows `rows` of a stacked (padded) layer, in that order (finished generations leave the batch)."""
