@@ -9,22 +9,29 @@ then holds what a prefill of the whole prompt gives (the cache layers guarantee 
 computes in two passes instead of one can differ in the last float bits (GEMMs of another shape), as batching does.
 Caches that cannot be cut (the packed cache) run as before.
 
-Batches (`batch_size` > 1) of consecutive requests in that order (greedy decoding): each row is prefilled alone from
-the checkpoint through its last prompt token, which gives its first answer token; the rows' caches are stacked into
-one left-padded batch cache (`QuantizedKVCache.stack`: each row keeps its own quantization state, as in any
-left-padded batch), and a greedy loop decodes the batch from there: the decode, which reads all the weights at every
-step, is shared by the rows, and a row leaves the batch when its answer ends. Caches that cannot be stacked run
-lm-eval's own batching (one left-padded prefill of the whole prompts, each row stopping at its own stop string).
+Batches (`batch_size` > 1, greedy decoding, caches that can be stacked): continuous batching over the requests in
+that order. Each request is prefilled alone from the checkpoint through its last prompt token, which gives its first
+answer token; the first `batch_size` are stacked into one left-padded batch cache (`QuantizedKVCache.stack`: each row
+keeps its own quantization state, as in any left-padded batch) and a greedy loop decodes them together: the decode,
+which reads all the weights at every step, is shared by the rows. A row leaves as soon as its answer ends, and the
+next request takes its place in the running batch (`QuantizedKVCache.admit`), so the batch stays full until the
+requests run out, instead of running each fixed batch down to its longest answer. Every row still decodes what it
+would alone (tested bit for bit at the cache; end to end up to the model's batched arithmetic). Caches that cannot be
+stacked run lm-eval's own batching (one left-padded prefill of the whole prompts, each row stopping at its own stop
+string).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
 from kvq_lab.models import cache_kwarg
 
@@ -35,6 +42,18 @@ LOGLIKELIHOOD_WARNING = (
     "generation cache: the KV-cache quantization does not reach these scores (they equal the 16-bit model's). "
     "Use generation tasks (generate_until), task=ppl or task=fidelity to measure the cache."
 )
+
+
+@dataclass
+class _Row:
+    """One request in the continuous batch: its index, prompt and lm-eval's stop strings and token budget."""
+
+    index: int
+    context: str
+    gen_kwargs: dict
+    until: list[str]
+    max_gen_toks: int
+    tokens: list[int] = field(default_factory=list)  # the answer so far
 
 
 class QuantCacheLM(HFLM):
@@ -70,6 +89,8 @@ class QuantCacheLM(HFLM):
     def generate_until(self, requests, disable_tqdm: bool = False):
         if not self.prefix_reuse or len(requests) < 2:
             return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        if int(self.batch_size) > 1 and self.make_cache().stackable and all(self._greedy(r) for r in requests):
+            return self._generate_batched(requests, disable_tqdm)
         from tqdm import tqdm
 
         # text order puts a prompt right before the prompts it is a prefix of; results go back in request order
@@ -86,20 +107,15 @@ class QuantCacheLM(HFLM):
         self._checkpoint = None
         return out
 
+    def _greedy(self, request) -> bool:
+        return not normalize_gen_kwargs(request.args[1], self.max_gen_toks).get("do_sample")
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.make_cache is not None:
-            mask = generation_kwargs.get("attention_mask")
-            stacked = None
-            if self.prefix_reuse and context.shape[0] > 1 and not generation_kwargs.get("do_sample"):
-                stacked = self._stacked(context, mask)
-            if stacked is not None:
-                self.generate_calls += 1
-                return self._decode(*stacked, context, mask, max_length, stop)
-            else:
-                cache = self.make_cache()
-                cache.set_padding(mask)
-                if self.prefix_reuse and context.shape[0] == 1:
-                    cache = self._from_checkpoint(context, cache)
+            cache = self.make_cache()
+            cache.set_padding(generation_kwargs.get("attention_mask"))
+            if self.prefix_reuse and context.shape[0] == 1:
+                cache = self._from_checkpoint(context, cache)
             generation_kwargs[self.cache_kwarg] = cache
         if context.shape[0] > 1:
             # lm-eval's stop criteria end a batch only when every row has met the same stop string, so finished rows
@@ -111,61 +127,89 @@ class QuantCacheLM(HFLM):
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     @torch.no_grad()
-    def _decode(self, cache, first, context, mask, max_length: int, stop: list[str]) -> torch.Tensor:
-        """Greedy decoding of a stacked batch (`_stacked`): cache holding every row's prompt, first [B] each row's first
-        token, context [B, T] the left-padded prompts -> [B, <= max_length] prompts and continuations (finished rows
-        padded). A row leaves the batch (`select_rows`) as soon as its continuation holds a stop string or ends with
-        EOS, as it would stop alone: the batch shares each step's weight reads among the rows still generating."""
-        B, T = context.shape
-        stops = [s for s in stop if s]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eot_token_id
-        out = torch.full((B, max_length), pad, dtype=context.dtype, device=context.device)
-        out[:, :T], out[:, T] = context, first
-        n = T + 1
+    def _generate_batched(self, requests, disable_tqdm: bool) -> list[str]:
+        """Continuous batching with prefix reuse (the module docstring): every request of `requests` (greedy) ->
+        its answer, as lm-eval's `generate_until` would give it for that request alone."""
+        from tqdm import tqdm
 
-        def finished(b: int) -> bool:
-            cont = out[b, T:n]
-            return int(cont[-1]) == self.eot_token_id or any(s in self.tokenizer.decode(cont) for s in stops)
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        pending = deque(sorted(range(len(requests)), key=lambda i: requests[i].args[0]))
+        out: list = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="generate (continuous batch)", disable=disable_tqdm or self.rank != 0)
 
-        seen = (torch.ones_like(context) if mask is None else mask).long()  # [B, T] 1 = real token
-        seen = torch.cat([seen, seen.new_ones(B, 1)], dim=1)
-        active = list(range(B))
-        while True:
-            keep = [i for i, b in enumerate(active) if not finished(b)]
-            if len(keep) < len(active):
-                active = [active[i] for i in keep]
-                if active:
-                    cache.select_rows(keep)
-                    seen = seen[keep]
-            if not active or n >= max_length:
-                return out[:, :n]
-            kwargs = {self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}
-            positions = seen.sum(1, keepdim=True) - 1  # each row's position of the token it is fed
-            logits = self.model(input_ids=out[active, n - 1 : n], attention_mask=seen, position_ids=positions, **kwargs)
-            out[active, n] = logits.logits[:, -1].argmax(-1)
-            n += 1
-            seen = torch.cat([seen, seen.new_ones(len(active), 1)], dim=1)
-
-    @torch.no_grad()
-    def _stacked(self, context: torch.Tensor, mask: torch.Tensor | None):
-        """context [B, T] left-padded token ids, mask [B, T] (1 = token) -> (a batch cache holding every row's whole
-        prompt, each row filled alone from the checkpoint; [B] the greedy first token of each row), or None where the
-        cache cannot be stacked. The whole prompt, not all but its last token: a cut before the last token could
-        split a per-channel group (`prefix_boundary`), so the first token comes from each row's own prefill."""
-        B, T = context.shape
-        lengths = [T] * B if mask is None else mask.sum(1).tolist()
-        if not self.make_cache().stackable:
-            return None
-        rows: list = [None] * B
-        first = torch.empty(B, dtype=context.dtype, device=context.device)
-        # text order within the batch too: each row extends the checkpoint its predecessor left
-        for b in sorted(range(B), key=lambda b: context[b, T - lengths[b] :].tolist()):
-            ids = context[b : b + 1, T - lengths[b] :]
+        def start():
+            """The next pending request prefilled alone from the checkpoint -> (its cache, its row), or None when
+            its first token already ends it (it is answered then and there)."""
+            i = pending.popleft()
+            context, gen_kwargs = requests[i].args
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            row = _Row(i, context, gen_kwargs, handle_stop_sequences(kwargs.pop("until", None), eos=eos), 0)
+            row.max_gen_toks = kwargs.pop("max_gen_toks")
+            ids, _ = self.tok_batch_encode(
+                [context], left_truncate_len=self.max_length - row.max_gen_toks, truncation=self.truncation
+            )
+            ids = ids.to(self.device)
             cache = self._from_checkpoint(ids, self.make_cache())
-            logits = self._fill(cache, ids[:, cache.get_seq_length() :])
-            first[b] = logits[0, -1].argmax()
-            rows[b] = cache
-        return type(rows[0]).stack(rows), first
+            row.tokens.append(int(self._fill(cache, ids[:, cache.get_seq_length() :])[0, -1].argmax()))
+            self.generate_calls += 1
+            if self._finished(row):
+                finish(row)
+                return None
+            return cache, row
+
+        def finish(row: _Row) -> None:  # as lm-eval's generate_until turns a row's tokens into its answer
+            tokens, think = row.tokens, self.think_end_token
+            if isinstance(think, int) and think in tokens:
+                tokens = tokens[len(tokens) - tokens[::-1].index(think) :]
+            s = self.tok_decode(tokens)
+            s = s.lstrip() if isinstance(think, int) else s
+            think = think if isinstance(think, str) else None
+            out[row.index] = postprocess_generated_text(generation=s, stop=row.until, think_end_token=think)
+            self.cache_hook.add_partial("generate_until", (row.context, row.gen_kwargs), out[row.index])
+            bar.update(1)
+
+        first: list = []
+        while pending and len(first) < int(self.batch_size):
+            if (started := start()) is not None:
+                first.append(started)
+        rows = [r for _, r in first]
+        cache = type(first[0][0]).stack([c for c, _ in first]) if first else None
+        while rows:
+            mask = torch.nn.functional.pad(cache.batch_mask(), (0, 1), value=1)  # the token fed now is real
+            positions = mask.sum(1, keepdim=True) - 1
+            fed = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
+            kwargs = {self.cache_kwarg: cache, "use_cache": True, "logits_to_keep": 1}
+            logits = self.model(input_ids=fed, attention_mask=mask, position_ids=positions, **kwargs).logits
+            for r, t in zip(rows, logits[:, -1].argmax(-1).tolist(), strict=True):
+                r.tokens.append(t)
+            keep = []
+            for b, r in enumerate(rows):
+                if not self._finished(r):
+                    keep.append(b)
+                    continue
+                finish(r)
+                while pending:  # the next request takes the finished row's place in the batch
+                    if (started := start()) is not None:
+                        cache.admit(b, started[0])
+                        rows[b] = started[1]
+                        keep.append(b)
+                        break
+            if len(keep) < len(rows):
+                if not keep:
+                    break
+                cache.select_rows(keep)
+                rows = [rows[b] for b in keep]
+            cache.trim_padding()
+        bar.close()
+        self._checkpoint = None
+        return out
+
+    def _finished(self, row: _Row) -> bool:
+        """The row's answer ends: its last token is EOS, it holds a stop string, or it has max_gen_toks tokens."""
+        if row.tokens[-1] == self.eot_token_id or len(row.tokens) >= row.max_gen_toks:
+            return True
+        stops = [s for s in row.until if s]
+        return bool(stops) and any(s in self.tokenizer.decode(row.tokens) for s in stops)
 
     @torch.no_grad()
     def _from_checkpoint(self, context: torch.Tensor, fresh):
