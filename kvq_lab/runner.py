@@ -160,8 +160,11 @@ def run(cfg: DictConfig, sweep: str | None = None) -> dict[str, float]:
 
 
 def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
+    from kvq_lab.alloc import retain_freed_memory
     from kvq_lab.plugins import TASKS
     from kvq_lab.tasks import TaskContext
+
+    retain_freed_memory()  # whatever launcher runs this row: freed tensors' pages stay mapped for the next ones
 
     name = run_name(cfg, plan)
     run_dir = new_run_dir(plan.results_dir, name)
