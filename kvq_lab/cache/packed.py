@@ -27,9 +27,9 @@ batched arithmetic (masked SDPA over padding, batched matmuls) reproduces the si
 tests; a last-bit difference there could in principle flip a code or a near-tied greedy token.
 Per-token groups never span tokens, so they need no alignment: their history and window are
 indexed by absolute position for all rows (a row's padding and sink positions hold unused zero codes). Pad
-positions never enter a group's min/max. A backend that reads per-row layouts (`rows`: the CPU kernel) decodes ragged
-batches on the fused path (next paragraph), each row read with its own padding, sinks, history and window; others
-assemble full K/V per step with one gather (slower than the batch-1 path, exact).
+positions never enter a group's min/max. A backend that reads per-row layouts (`rows`: the CPU and Triton
+kernels) decodes ragged batches on the fused path (next paragraph), each row read with its own padding, sinks,
+history and window; others assemble full K/V per step with one gather (slower than the batch-1 path, exact).
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
 `kvq_sdpa` (`kvq_lab.cache.attention`), which hands ordinary tensors to SDPA unchanged and, on decode steps,
@@ -51,8 +51,8 @@ is not undone at all: `kvq_sdpa` maps the query with T and the output back with 
 the stored codes and window as they are and this step's sinks mapped into T's basis. A pipeline that does not fold
 (rope_pre: position-dependent) comes undone in the view (history dequantized and re-rotated at its positions, window
 re-rotated), which only the PyTorch path reads; except rope_pre alone on the keys with a backend that rotates keys
-itself (`Backend.features` has `rope`: the CPU kernel): its view carries the pre-RoPE codes and window with a
-`RopeView` (a cos/sin table shared by the model's layers, `rope_table`, and the layer's position ids).
+itself (`Backend.features` has `rope`: the CPU and Triton kernels): its view carries the pre-RoPE codes and window
+with a `RopeView` (a cos/sin table shared by the model's layers, `rope_table`, and the layer's position ids).
 
 Roles: this module is the layer (what is stored where, per step); `store` holds the bits, `streams` the
 per-axis streaming policies, `backends` the kernels' selection, `attention` the routing.
