@@ -121,6 +121,24 @@ def _coverage(rec: dict) -> float:
     return math.inf if lim is None else float(lim)
 
 
+def mean_se(x: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample standard deviation / sqrt(n)); the error is nan for n < 2."""
+    m = sum(x) / len(x)
+    se = math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)) if len(x) > 1 else math.nan
+    return m, se
+
+
+def paired_difference(a: dict, b: dict) -> tuple[float, float, int]:
+    """Per-document scores of two runs (doc_id -> score) -> (mean of b - a over the documents both scored, its
+    standard error, how many). Pairing cancels the spread between documents (easy and hard questions), which
+    dominates an unpaired comparison of two means."""
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        raise ValueError("paired_difference: the two runs share no document (doc_id); rerun them with the same limit")
+    m, se = mean_se([b[i] - a[i] for i in ids])
+    return m, se, len(ids)
+
+
 def _stderr(run_dir: str, metrics: list[tuple[str, str, str | None]]) -> dict[str, float]:
     """Standard error (in %) of per-document scores from samples.json, for the metrics that have one."""
     p = Path(run_dir) / "samples.json"
@@ -134,9 +152,7 @@ def _stderr(run_dir: str, metrics: list[tuple[str, str, str | None]]) -> dict[st
     for key, _, fld in metrics:
         vals = [float(s[fld]) for s in samples if fld and isinstance(s.get(fld), (int, float))]
         if len(vals) > 1:
-            mean = sum(vals) / len(vals)
-            var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-            out[key] = 100 * math.sqrt(var / len(vals))
+            out[key] = 100 * mean_se(vals)[1]
     return out
 
 

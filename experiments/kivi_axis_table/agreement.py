@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # kvq_lab of this checkout
+
+from kvq_lab.report import paired_difference  # noqa: E402
 
 
 def newest(folder: Path) -> dict[str, Path]:
@@ -40,9 +44,7 @@ def main() -> None:
         sa, sb = samples(A[label]), samples(B[label])
         ids = sorted(set(sa) & set(sb))
         same = sum(sa[i]["response"] == sb[i]["response"] for i in ids)
-        d = [100 * (sb[i]["f1"] - sa[i]["f1"]) for i in ids]
-        mean = sum(d) / len(d)
-        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
+        mean, se, _ = paired_difference(*({i: 100 * s[i]["f1"] for i in ids} for s in (sa, sb)))
         fa = 100 * sum(sa[i]["f1"] for i in ids) / len(ids)
         fb = 100 * sum(sb[i]["f1"] for i in ids) / len(ids)
         print(f"| `{label}` | {same}/{len(ids)} | {fa:.2f} | {fb:.2f} | {mean:+.2f} ± {se:.2f} |")

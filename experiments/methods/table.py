@@ -12,10 +12,14 @@ skipped. Writes table.md and bits_vs_quality.png here.
 from __future__ import annotations
 
 import json
-import math
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
+
+from kvq_lab.report import mean_se, paired_difference  # noqa: E402
+
 BASELINE = "K2b-C32_V2b-T32_pac_R128"  # KIVI int2 K-C/V-T: the row every CoQA difference is paired against
 
 NAMES = {  # cache label -> the row's name in the issue's words
@@ -61,23 +65,6 @@ def turn_f1(run: Path) -> dict[int, float]:
     return {int(s["doc_id"]): 100 * float(s["f1"]) for s in json.loads((run / "samples.json").read_text())}
 
 
-def mean_se(x: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample standard deviation / sqrt(n)); se is nan for n < 2."""
-    m = sum(x) / len(x)
-    se = math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x)) if len(x) > 1 else math.nan
-    return m, se
-
-
-def paired(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, int]:
-    """F1 of b minus F1 of a over the turns both scored: (mean, standard error, turns). Pairing cancels the spread
-    between turns (easy and hard questions), which dominates the unpaired standard error."""
-    ids = sorted(set(a) & set(b))
-    if not ids:
-        raise ValueError("paired: the two runs share no CoQA turn (doc_id); rerun them with the same limit")
-    m, se = mean_se([b[i] - a[i] for i in ids])
-    return m, se, len(ids)
-
-
 def collect() -> dict[str, dict]:
     rows: dict[str, dict] = {}
     for run, r in records():
@@ -94,7 +81,7 @@ def collect() -> dict[str, dict]:
     base = rows.get(BASELINE, {}).get("turn_f1")
     for label, row in rows.items():
         if base is not None and "turn_f1" in row and label != BASELINE:
-            row["diff"] = paired(base, row["turn_f1"])
+            row["diff"] = paired_difference(base, row["turn_f1"])
     return rows
 
 
@@ -127,7 +114,7 @@ def main() -> None:
     lines += ["", "Paired CoQA-turns F1 differences (b - a, over the turns both scored):", ""]
     for a, b in CONTRASTS:
         if "turn_f1" in rows.get(a, {}) and "turn_f1" in rows.get(b, {}):
-            m, se, n = paired(rows[a]["turn_f1"], rows[b]["turn_f1"])
+            m, se, n = paired_difference(rows[a]["turn_f1"], rows[b]["turn_f1"])
             lines.append(f"- {NAMES[b]} - {NAMES[a]}: {m:+.2f} ± {se:.2f} ({n} turns)")
     table = "\n".join(lines)
     print(table)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 from kvq_lab import precision  # noqa: E402
 from kvq_lab.cache.config import CacheConfig  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
+from kvq_lab.report import mean_se, paired_difference  # noqa: E402
 
 
 def records():
@@ -32,9 +33,7 @@ def f1_se(samples: Path) -> float | None:
     """Standard error of the mean per-turn F1 (in %) from a CoQA run's samples.json, None without one."""
     if not samples.is_file():
         return None
-    f1 = [100 * float(x["f1"]) for x in json.loads(samples.read_text())]
-    mean = sum(f1) / len(f1)
-    return (sum((v - mean) ** 2 for v in f1) / (len(f1) - 1) / len(f1)) ** 0.5
+    return mean_se([100 * float(x["f1"]) for x in json.loads(samples.read_text())])[1]
 
 
 def paired(rows) -> list[str]:
@@ -49,12 +48,10 @@ def paired(rows) -> list[str]:
             a, b = (json.loads(r["samples"].read_text()) for r in (s, u))
             if [x["doc_id"] for x in a] != [x["doc_id"] for x in b]:
                 continue
-            d = [100 * (float(x["f1"]) - float(y["f1"])) for x, y in zip(a, b, strict=True)]
-            mean = sum(d) / len(d)
-            se = (sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) ** 0.5
+            mean, se, n = paired_difference(*({x["doc_id"]: 100 * float(x["f1"]) for x in r} for r in (b, a)))
             out.append(
                 f"- {s['label']} vs {u['label']} (both {u['stored']:.3f} bits per element): CoQA-turns F1 "
-                f"{mean:+.2f} ± {se:.2f} (paired over the same {len(d)} turns)"
+                f"{mean:+.2f} ± {se:.2f} (paired over the same {n} turns)"
             )
     return ["", *out] if out else []
 
