@@ -55,6 +55,29 @@ def tiny_llama(
     return model
 
 
+def left_padded_prompts(lengths: list[int], seed: int = 13, vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompts of these lengths as a left-padded batch for a `tiny_llama`: (ids [B, T] with pad token 0 on the
+    left, mask [B, T] long, 1 = token), T the longest length."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), T), generator=g)
+    mask = (torch.arange(T)[None] >= T - torch.tensor(lengths)[:, None]).long()
+    return ids * mask, mask
+
+
+def padded_packed_cache(model, mask: torch.Tensor, rope: str, backend: str):
+    """A 2-bit K-C/V-T packed cache (G=32, R=32, 2 sinks) for `model`, declared the batch's padding `mask`: the fast
+    paths' left-padded-generation tests compare backends on it."""
+    from kvq_lab.cache import CacheConfig, QuantizedKVCache
+    from kvq_lab.quant import QuantSpec
+
+    cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                      residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+    cache = QuantizedKVCache.for_model(model, cfg)
+    cache.set_padding(mask)
+    return cache
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return tiny_llama()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import left_padded_prompts, padded_packed_cache, tiny_llama
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -273,18 +273,10 @@ def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch
         return real(view, q, mask, scaling)
 
     monkeypatch.setattr(cpu_kernel, "decode_attention", spy)
-    g = torch.Generator().manual_seed(13)
-    lengths = [70, 41, 66, 12]
-    ids = torch.randint(3, 256, (4, 70), generator=g)
-    mask = (torch.arange(70)[None] >= 70 - torch.tensor(lengths)[:, None]).long()
-    ids = ids * mask  # pad token 0 on the left
+    ids, mask = left_padded_prompts([70, 41, 66, 12])
     out = {}
     for backend in ("cpu", "torch"):
-        cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                          residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
-        cache = QuantizedKVCache.for_model(tiny_model, cfg)
-        cache.set_padding(mask)
-        out[backend] = gen(tiny_model, cache, ids, 24, mask=mask)
+        out[backend] = gen(tiny_model, padded_packed_cache(tiny_model, mask, rope, backend), ids, 24, mask=mask)
     assert torch.equal(out["cpu"], out["torch"])
     assert len(calls) == 23 * tiny_model.config.num_hidden_layers and all(calls)
     assert masks <= {(4, 1, 1)}, masks

@@ -408,25 +408,16 @@ def test_padded_generation_goes_through_the_kernel(monkeypatch, rope="pre"):
     """A left-padded batch of 3 prompts on a tiny Llama (GQA 2, D=64), rope=pre: backend=triton generates
     backend=torch's greedy tokens (which materializes the padded cache for the model's SDPA), every decode step of
     every layer through the kernel with a padded view and a rope view."""
-    from conftest import tiny_llama
-
-    from kvq_lab.cache import QuantizedKVCache
+    from conftest import left_padded_prompts, padded_packed_cache, tiny_llama
 
     model = tiny_llama().to(DEV)
     calls = []
     real = tk.decode_attention
     monkeypatch.setattr(tk, "decode_attention", lambda view, *a: calls.append((view.pads, view.rope)) or real(view, *a))
-    g = torch.Generator().manual_seed(13)
-    lengths = [45, 12, 38]
-    mask = (torch.arange(45)[None] >= 45 - torch.tensor(lengths)[:, None]).long()
-    ids = torch.randint(3, 256, (3, 45), generator=g) * mask  # pad token 0 on the left
-    ids, mask = ids.to(DEV), mask.to(DEV)
+    ids, mask = (t.to(DEV) for t in left_padded_prompts([45, 12, 38]))
     out = {}
     for backend in ("triton", "torch"):
-        cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                          residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
-        cache = QuantizedKVCache.for_model(model, cfg)
-        cache.set_padding(mask)
+        cache = padded_packed_cache(model, mask, rope, backend)
         with torch.no_grad():
             out[backend] = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
                                           min_new_tokens=8, do_sample=False)[:, 45:]  # fmt: skip
