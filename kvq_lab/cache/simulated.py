@@ -313,18 +313,18 @@ class SimulatedLayer(QuantizedLayerBase):
             and FakeQuantStream.step_rows([pair[i] for pair in self._streams], exact, pads, seen.value)
             for i, (exact, pipe, seen) in enumerate(tensors)
         ]
-        for (r, p), (k_stream, v_stream) in zip(rows, self._streams, strict=True):
-            if all(batched):
-                break
-            keys, values, tk, tv = [None if x is None else x[r, :, p:] for x in self._tensors()]
-            pos = None if self._pos is None else self._pos.take(r, slice(p, None))
-            for exact, tx, pipe, stream, seen, done in (
-                (keys, tk, self.k_pipe, k_stream, seen_k, batched[0]),
-                (values, tv, self.v_pipe, v_stream, seen_v, batched[1]),
-            ):
-                if not done:
-                    lo, part = stream.tail(exact) if pipe is None else _tail_around(stream, exact, tx, pipe, pos)
-                    seen.value[r, :, p + lo : p + lo + part.shape[-2]] = part
+        # the others row by row
+        if not all(batched):
+            for (r, p), (k_stream, v_stream) in zip(rows, self._streams, strict=True):
+                keys, values, tk, tv = [None if x is None else x[r, :, p:] for x in self._tensors()]
+                pos = None if self._pos is None else self._pos.take(r, slice(p, None))
+                for exact, tx, pipe, stream, seen, done in (
+                    (keys, tk, self.k_pipe, k_stream, seen_k, batched[0]),
+                    (values, tv, self.v_pipe, v_stream, seen_v, batched[1]),
+                ):
+                    if not done:
+                        lo, part = stream.tail(exact) if pipe is None else _tail_around(stream, exact, tx, pipe, pos)
+                        seen.value[r, :, p + lo : p + lo + part.shape[-2]] = part
         # the new tokens only: history was checked when it arrived (a whole-history scan costs ~13% of decode)
         self.check_finite(key_states, value_states)
         return seen_k.value, seen_v.value

@@ -143,8 +143,8 @@ class QuantCacheLM(HFLM):
             i = pending.popleft()
             context, gen_kwargs = requests[i].args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
-            row = _Row(i, context, gen_kwargs, handle_stop_sequences(kwargs.pop("until", None), eos=eos), 0)
-            row.max_gen_toks = kwargs.pop("max_gen_toks")
+            until = handle_stop_sequences(kwargs.get("until"), eos=eos)
+            row = _Row(i, context, gen_kwargs, until, kwargs["max_gen_toks"])
             ids, _ = self.tok_batch_encode(
                 [context], left_truncate_len=self.max_length - row.max_gen_toks, truncation=self.truncation
             )
