@@ -2,10 +2,15 @@
 
 One call per layer and decode step: for every (batch row, kv head, chunk of positions) task, the scores of the
 kv head's query heads over sinks | packed history | fp window, a softmax partial (max, sum) and the weighted sum
-of the values; then the chunks are combined (flash-decoding). History rows are unpacked and dequantized straight
-from the packed bytes into one D-float buffer (parameters converted from fp16 once per row for per-token groups,
-once per group of rows for per-channel groups): nothing of the cache's size is ever written, so the step's memory
-traffic is the packed bytes, not a dequantized copy of K and V. The dequantized values are bit for bit those of
+of the values; then the chunks are combined (flash-decoding). A task reads its positions in sub-blocks of 32 KB of
+rows (`fill_rows`): runs of history rows are unpacked and dequantized straight from the packed bytes (`history_rows`:
+indices advanced row by row, no integer division per row; parameters converted from fp16 once per row for per-token
+groups, once per group of rows for per-channel groups), exact fp32 rows are read in place; then the dot products
+(`dot`), and for values the weighted sum with 32 outputs held in registers across the sub-block (`weighted_sum`).
+Nothing of the cache's size is ever written, so the step's memory traffic is the packed bytes, not a dequantized copy
+of K and V. Sums keep their order (each output element adds its rows in position order, each score its 16 partial
+sums in a fixed fold), so a restructuring of the loops changes no bit of the output (checked against the previous
+version on SmolLM2's cache, experiments/cache_speed/README.md). The dequantized values are bit for bit those of
 the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `table[code] * scale + zero` with two roundings, so the
 build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
 
@@ -39,6 +44,7 @@ per row: the same values the PyTorch path rotates with (it reads the same table)
 #define KVQ_BLOCK 32
 #define KVQ_MAX_D 1024
 #define KVQ_MAX_CHUNK 256
+#define KVQ_SUB_FLOATS 8192 /* dequantized rows per sub-block of a task: 32 KB */
 #define KVQ_MAX_R 32
 
 /* One tensor (keys or values) of one layer. Every field is int64 so the Python side fills a flat array;
@@ -172,42 +178,72 @@ static inline void deq_run_table(float *restrict out, const uint8_t *restrict ro
         }
 }
 
-/* Dequantize history row t (storage position) of stream st at (b, h) into out[D]. sbuf/zbuf hold the row's
-   parameters; for per-channel groups they are reloaded only when t enters a new group (*group tracks it). */
-static inline void history_row(const Stream *st, int64_t b, int64_t h, int64_t t, int64_t D, float *restrict out,
-                               float *restrict sbuf, float *restrict zbuf, int64_t *group) {
-    const int64_t G = st->group, m = st->m, nb = st->nb;
+/* Dequantize history rows t0 .. t0 + n - 1 (storage positions) of stream st at (b, h) into out[n][D]. The run's
+   indices advance row by row (block, plane, row within the plane; per-channel parameters reloaded as a group
+   starts), so no row pays an integer division. */
+static inline __attribute__((always_inline)) void history_rows_dg(const Stream *st, int64_t b, int64_t h, int64_t t0,
+                                                                   int64_t n, int64_t D, int64_t G,
+                                                                   float *restrict out) {
+    const int64_t m = st->m, nb = st->nb, u = KVQ_BLOCK / m;
     const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
     const uint16_t *zp = st->zero ? (const uint16_t *)st->zero + b * st->pb + h * st->ph : 0;
     const float *table = (const float *)st->table;  /* 0 for int (then zp is never 0: checked in Python) */
     const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
-    const int64_t tt = t % KVQ_BLOCK, plane = m * st->cr;
-    const uint8_t *row = codes + ((t / KVQ_BLOCK) * nb * m + tt % m) * st->cr;
-    const unsigned shift = (unsigned)(st->bits * (tt / m)), mask = (1u << st->bits) - 1u;
-    if (st->token_axis) {  /* D/G groups of G channels, one scale (and zero point) each */
-        for (int64_t g = 0; g < D / G; g++) {
-            const float s = half_to_float(sc[t * st->pt + g]), z = zp ? half_to_float(zp[t * st->pt + g]) : 0.0f;
-            if (table)
-                deq_run_table(out + g * G, row + g * G, plane, nb, shift, mask, table, &s, zp ? &z : 0, 0, G);
-            else
-                deq_run(out + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
-        }
-        return;
-    }
-    if (t / G != *group) {  /* a new group of G rows: its D parameters */
-        *group = t / G;
-        if (zp)
-            for (int64_t d = 0; d < D; d++) {
-                sbuf[d] = half_to_float(sc[*group * st->pt + d]);
-                zbuf[d] = half_to_float(zp[*group * st->pt + d]);
+    const int64_t plane = m * st->cr;
+    const unsigned mask = (1u << st->bits) - 1u;
+    int64_t blk = t0 / KVQ_BLOCK, k = (t0 % KVQ_BLOCK) / m, rr = (t0 % KVQ_BLOCK) % m;
+    int64_t g_end = 0;  /* per-channel groups: the first row after the loaded group */
+    float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = t0 + i;
+        const uint8_t *row = codes + (blk * nb * m + rr) * st->cr;
+        const unsigned shift = (unsigned)(st->bits * k);
+        float *restrict o = out + i * D;
+        if (st->token_axis) {  /* D/G groups of G channels, one scale (and zero point) each */
+            for (int64_t g = 0; g < D / G; g++) {
+                const float s = half_to_float(sc[t * st->pt + g]), z = zp ? half_to_float(zp[t * st->pt + g]) : 0.0f;
+                if (table)
+                    deq_run_table(o + g * G, row + g * G, plane, nb, shift, mask, table, &s, zp ? &z : 0, 0, G);
+                else
+                    deq_run(o + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
             }
-        else
-            for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[*group * st->pt + d]);
+        } else {
+            if (t >= g_end || i == 0) {  /* a new group of G rows: its D parameters */
+                const int64_t g = t / G;
+                g_end = (g + 1) * G;
+                if (zp)
+                    for (int64_t d = 0; d < D; d++) {
+                        sbuf[d] = half_to_float(sc[g * st->pt + d]);
+                        zbuf[d] = half_to_float(zp[g * st->pt + d]);
+                    }
+                else
+                    for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[g * st->pt + d]);
+            }
+            if (table)
+                deq_run_table(o, row, plane, nb, shift, mask, table, sbuf, zp ? zbuf : 0, 1, D);
+            else
+                deq_run(o, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
+        }
+        if (++rr == m) {  /* next row of the block: the next plane row, then the next field, then the next block */
+            rr = 0;
+            if (++k == u) {
+                k = 0;
+                blk++;
+            }
+        }
     }
-    if (table)
-        deq_run_table(out, row, plane, nb, shift, mask, table, sbuf, zp ? zbuf : 0, 1, D);
-    else
-        deq_run(out, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
+}
+
+/* history_rows_dg with the head size and group size as constants for the common shapes (64 / 128 channels, groups
+   of 32 / 64 / 128), so the compiler unrolls the dequantization loops; any other shape takes the general loops. */
+static void history_rows(const Stream *st, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t D,
+                         float *restrict out) {
+    const int64_t G = st->group;
+#define KVQ_SHAPE(d, g) \
+    if (D == d && G == g) return history_rows_dg(st, b, h, t0, n, d, g, out);
+    KVQ_SHAPE(64, 32) KVQ_SHAPE(64, 64) KVQ_SHAPE(128, 32) KVQ_SHAPE(128, 64) KVQ_SHAPE(128, 128)
+#undef KVQ_SHAPE
+    history_rows_dg(st, b, h, t0, n, D, G, out);
 }
 
 /* Row `i` (element offset) of an exact buffer in the model's dtype: fp32 in place, fp16 / bf16 converted into buf
@@ -225,27 +261,6 @@ static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64
     return buf;
 }
 
-enum { KVQ_SINK, KVQ_HISTORY, KVQ_WINDOW };
-
-/* Position p (0 <= p < N; j = p - pads[b] >= 0, its index among row b's real tokens) of one stream at (b, h): D
-   floats, read in place (fp32 sinks, window), converted into buf (fp16 / bf16 sinks, window) or dequantized into
-   buf (history). *kind says which segment it came from. */
-static inline const float *kv_row(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t p, int64_t j,
-                                  float *buf, float *sbuf, float *zbuf, int64_t *group, int *kind) {
-    if (j < a->s) {
-        *kind = KVQ_SINK;
-        return exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, st->xdt, a->D, buf);
-    }
-    const int64_t t = p - (st->starts ? ((const int64_t *)st->starts)[b] : a->s);
-    if (t < (st->counts ? ((const int64_t *)st->counts)[b] : st->n)) {
-        *kind = KVQ_HISTORY;
-        history_row(st, b, h, t, a->D, buf, sbuf, zbuf, group);
-        return buf;
-    }
-    *kind = KVQ_WINDOW;
-    return exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, st->xdt, a->D, buf);
-}
-
 /* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
    (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. */
 static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, int64_t D,
@@ -257,14 +272,79 @@ static inline void rope_row(const float *restrict k, const float *restrict c, co
     }
 }
 
-/* a . b with 16 independent partial sums (vectorises; a single running sum would be a serial chain) */
+/* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
+   tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
+   rows are dequantized (a run of consecutive rows at once), fp16 / bf16 rows converted, and, with `rope` (keys under
+   rope=pre), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D]). Returns the
+   rows whose position id is outside the rope table (their rows are left unrotated; the call's result is refused). */
+static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t pa, int64_t pb, int64_t pad,
+                         int rope, float *restrict buf, const float **rows) {
+    const int64_t D = a->D, xdt = st->xdt;
+    const int64_t start = st->starts ? ((const int64_t *)st->starts)[b] : a->s;
+    const int64_t count = st->counts ? ((const int64_t *)st->counts)[b] : st->n;
+    const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
+    const int32_t *pos = rope ? (const int32_t *)a->pos + b * a->pb : 0;
+    float rbuf[KVQ_MAX_D];
+    int64_t bad = 0;
+    for (int64_t p = pa; p < pb;) {
+        const int64_t i = p - pa, j = p - pad;
+        float *slot = buf + i * D;
+        if (j < a->s) {  /* a sink: exact, as the model made it (post-RoPE) */
+            rows[i] = exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, xdt, D, slot);
+            p++;
+            continue;
+        }
+        const int64_t t = p - start;
+        int64_t n = 1;
+        int window = 1;
+        if (t < count) {  /* a run of history rows, dequantized at once */
+            n = (start + count < pb ? start + count : pb) - p;
+            history_rows(st, b, h, t, n, D, slot);
+            for (int64_t k = 0; k < n; k++) rows[i + k] = slot + k * D;
+            window = 0;
+        } else
+            rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, slot);
+        if (rope)  /* pre-RoPE keys (history and window): rotated at their position ids */
+            for (int64_t k = 0; k < n; k++) {
+                const int64_t id = pos[p + k];
+                if (id < 0 || id >= a->P) {  /* outside the table: counted, and the call's result is refused */
+                    bad++;
+                    continue;
+                }
+                rope_row(rows[i + k], rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
+                /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path
+                   re-rotates the window (`rotate` returns the key's dtype), so both attend to the same keys */
+                if (xdt && window) round_to(rbuf, xdt, D);
+                memcpy(buf + (i + k) * D, rbuf, (size_t)D * sizeof(float));
+                rows[i + k] = buf + (i + k) * D;
+            }
+        p += n;
+    }
+    return bad;
+}
+
+/* Eight floats as one value (GCC / clang vector extension: one AVX register, or what the target has); loads and
+   stores through memcpy, so any alignment. Arithmetic on them is elementwise fp32, the same roundings as scalars. */
+typedef float v8f __attribute__((vector_size(32)));
+static inline v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* a . b with 16 independent partial sums (lane j adds the products at d = j mod 16; a single running sum would be a
+   serial chain), folded in a fixed order */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
-    float acc[16] = {0}, tail = 0.0f;
+    v8f lo = {0}, hi = {0};
+    float tail = 0.0f, acc[8];
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[d + j] * b[d + j];
+    for (; d + 16 <= D; d += 16) {
+        lo += load8(a + d) * load8(b + d);
+        hi += load8(a + d + 8) * load8(b + d + 8);
+    }
     for (; d < D; d++) tail += a[d] * b[d];
-    for (int j = 0; j < 8; j++) acc[j] += acc[j + 8];
+    store8(acc, lo + hi);
     for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
     return (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail;
 }
@@ -282,65 +362,102 @@ static inline float exp_neg(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    union { int32_t i; float f; } two_n;
-    two_n.i = ((int32_t)fn + 127) << 23;
-    return x < -87.0f ? 0.0f : p * two_n.f;
+    const float fc = fn < -127.0f ? -127.0f : fn;  /* -inf (masked scores) and the like: no overflow below */
+    const uint32_t bits = (uint32_t)((int32_t)fc + 127) << 23;  /* 2^n as a float's exponent bits */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
+/* The largest of s[0 .. T) (-inf for none), eight running maxima at a time (exact in any order) */
+static inline float max_of(const float *restrict s, int64_t T) {
+    float m8[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float mx = -INFINITY;
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8)
+        for (int j = 0; j < 8; j++) m8[j] = s[t + j] > m8[j] ? s[t + j] : m8[j];
+    for (; t < T; t++) mx = s[t] > mx ? s[t] : mx;
+    for (int j = 0; j < 8; j++) mx = m8[j] > mx ? m8[j] : mx;
+    return mx;
+}
+
+/* s[t] = exp(s[t] - shift) for t < T (a loop of its own, so that it vectorises) */
+static void exp_shifted(float *restrict s, int64_t T, float shift) {
+    for (int64_t t = 0; t < T; t++) s[t] = exp_neg(s[t] - shift);
+}
+
+/* acc[d] += w[i] * rows[i][d] over the n rows, in row order (each output element's sum stays sequential, as a
+   row-at-a-time loop adds it), with 32 output elements held in registers across the rows. */
+static inline void weighted_sum(float *restrict acc, const float *restrict w, const float *const *rows, int64_t n,
+                                int64_t D) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        v8f a0 = load8(acc + d0), a1 = load8(acc + d0 + 8), a2 = load8(acc + d0 + 16), a3 = load8(acc + d0 + 24);
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = rows[i] + d0;
+            const float wi = w[i];
+            a0 += wi * load8(v);
+            a1 += wi * load8(v + 8);
+            a2 += wi * load8(v + 16);
+            a3 += wi * load8(v + 24);
+        }
+        store8(acc + d0, a0);
+        store8(acc + d0 + 8, a1);
+        store8(acc + d0 + 16, a2);
+        store8(acc + d0 + 24, a3);
+    }
+    for (; d0 + 8 <= D; d0 += 8) {
+        v8f a0 = load8(acc + d0);
+        for (int64_t i = 0; i < n; i++) a0 += w[i] * load8(rows[i] + d0);
+        store8(acc + d0, a0);
+    }
+    for (; d0 < D; d0++) {
+        float x = acc[d0];
+        for (int64_t i = 0; i < n; i++) x += w[i] * rows[i][d0];
+        acc[d0] = x;
+    }
 }
 
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
-   chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). */
+   chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). Rows are read in
+   sub-blocks of KVQ_SUB_FLOATS / D positions (fill_rows), so dequantized rows stay in the L1 cache. */
 static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float scaling,
                             float *restrict part) {
     int64_t bad = 0;  /* position ids outside the rope table */
     const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
+    const int64_t sub = KVQ_SUB_FLOATS / D < KVQ_MAX_CHUNK ? KVQ_SUB_FLOATS / D : KVQ_MAX_CHUNK;
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
-    float buf[KVQ_MAX_D], sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D], rbuf[KVQ_MAX_D];
+    float buf[KVQ_SUB_FLOATS];
+    const float *rows[KVQ_MAX_CHUNK];
     const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
-    const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
-    const int32_t *pos = a->pos ? (const int32_t *)a->pos + b * a->pb : 0;
     const int64_t pad = a->pads ? ((const int64_t *)a->pads)[b] : 0;
     const int64_t q0 = p0 > pad ? p0 : pad;  /* positions before q0 are row b's padding: weight 0, never read */
-    int64_t group = -1;
-    int kind;
-    for (int64_t p = p0; p < q0; p++)
+    for (int64_t p = p0; p < q0 && p < p1; p++)
         for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = -INFINITY;
-    for (int64_t p = q0; p < p1; p++) {
-        const float *k = kv_row(a, &a->k, b, h, p, p - pad, buf, sbuf, zbuf, &group, &kind);
-        if (rcos && kind != KVQ_SINK) {  /* a pre-RoPE key (history or window): rotate it at its position id */
-            const int64_t id = pos[p];
-            if (id < 0 || id >= a->P) {  /* outside the table: counted, and the call's result is refused */
-                bad++;
-                continue;
-            }
-            rope_row(k, rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
-            /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path re-rotates
-               the window (`rotate` returns the key's dtype), so both attend to the same keys */
-            if (a->k.xdt && kind == KVQ_WINDOW) round_to(rbuf, a->k.xdt, D);
-            k = rbuf;
+    for (int64_t pa = q0; pa < p1; pa += sub) {
+        const int64_t pb = pa + sub < p1 ? pa + sub : p1;
+        bad += fill_rows(a, &a->k, b, h, pa, pb, pad, a->rcos != 0, buf, rows);
+        for (int64_t p = pa; p < pb; p++) {
+            for (int64_t i = 0; i < r; i++)
+                sc[i * T + (p - p0)] = dot(q + i * a->qh, rows[p - pa], D) * scaling + (mask ? mask[p] : 0.0f);
         }
-        for (int64_t i = 0; i < r; i++)
-            sc[i * T + (p - p0)] = dot(q + i * a->qh, k, D) * scaling + (mask ? mask[p] : 0.0f);
     }
     for (int64_t i = 0; i < r; i++) {
-        float *s = sc + i * T, mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < T; t++) mx = s[t] > mx ? s[t] : mx;
+        float *s = sc + i * T, mx = max_of(s, T), sum = 0.0f;
         const float shift = mx == -INFINITY ? 0.0f : mx;  /* every position masked: weights 0 */
-        for (int64_t t = 0; t < T; t++) s[t] = exp_neg(s[t] - shift);
+        exp_shifted(s, T, shift);
         for (int64_t t = 0; t < T; t++) sum += s[t];
         float *pi = part + i * (D + 2);
         pi[0] = mx;
         pi[1] = sum;
         for (int64_t d = 0; d < D; d++) pi[2 + d] = 0.0f;
     }
-    group = -1;
-    for (int64_t p = q0; p < p1; p++) {
-        const float *v = kv_row(a, &a->v, b, h, p, p - pad, buf, sbuf, zbuf, &group, &kind);
-        for (int64_t i = 0; i < r; i++) {
-            float *restrict acc = part + i * (D + 2) + 2;
-            const float w = sc[i * T + (p - p0)];
-            for (int64_t d = 0; d < D; d++) acc[d] += w * v[d];
-        }
+    for (int64_t pa = q0; pa < p1; pa += sub) {
+        const int64_t pb = pa + sub < p1 ? pa + sub : p1;
+        fill_rows(a, &a->v, b, h, pa, pb, pad, 0, buf, rows);
+        for (int64_t i = 0; i < r; i++)
+            weighted_sum(part + i * (D + 2) + 2, sc + i * T + (pa - p0), rows, pb - pa, D);
     }
     return bad;
 }

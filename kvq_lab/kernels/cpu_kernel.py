@@ -13,7 +13,9 @@ path within fp32 rounding (tested); dequantized values are bit for bit the refer
 Built on first use with the system C compiler (`$CC`, else cc, gcc or clang) into `$KVQ_KERNEL_CACHE` (default
 ~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU; later loads take milliseconds. Loaded with
 ctypes (no PyTorch headers: the build takes about a second). Flags: -O3, -march=native where the compiler takes
-it, -ffp-contract=off (the dequantization `table[code] * scale + zero` keeps the reference's two roundings), -fopenmp
+it, -ffp-contract=off (the dequantization `table[code] * scale + zero` keeps the reference's two roundings),
+-fno-trapping-math (no value changes; lets the compiler vectorise the softmax's floor and selects),
+-Werror=implicit-function-declaration (a call to an undefined function fails the build, not the load), -fopenmp
 (linked against the libgomp PyTorch has already loaded, so the kernel shares PyTorch's thread pool), and any in
 `$KVQ_KERNEL_CFLAGS`.
 """
@@ -40,7 +42,7 @@ from .view import DecodeView, StreamView, check_codes_only
 from .workspace import workspace
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
-FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-Werror=implicit-function-declaration", "-fopenmp", "-shared", "-fPIC"]
 MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `Stream.xdt`: the model's dtype
 
