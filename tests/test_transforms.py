@@ -335,3 +335,26 @@ def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):
         assert m["probe/key/rel_fro/mean"] > 0
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert "_Khad" in run_dir.name
+
+
+def test_rope_helper_reuses_cos_sin_only_for_equal_ids(tiny_model):
+    """Every layer of a forward asks for the same ids: one rotary call serves them all, with the module's own values;
+    other ids (or a RoPE type that rescales with the length) call the module again."""
+    helper = RopeHelper(tiny_model.model.rotary_emb)
+    like = torch.zeros(1)
+    calls = []
+    real = helper.rotary_emb
+    helper.rotary_emb = lambda x, ids: calls.append(ids.clone()) or real(x, ids)
+    ids = torch.tensor([[7], [3]])
+    cos, sin = helper.cos_sin(like, ids)
+    again = helper.cos_sin(like, ids.clone())  # equal values, another tensor (each layer expands its own)
+    assert len(calls) == 1 and again[0] is cos and again[1] is sin
+    ref_cos, ref_sin = real(like, ids)
+    assert torch.equal(cos, ref_cos.float().unsqueeze(1)) and torch.equal(sin, ref_sin.float().unsqueeze(1))
+    other = helper.cos_sin(like, torch.tensor([[8], [4]]))
+    assert len(calls) == 2 and not torch.equal(other[0], cos)
+    assert torch.equal(helper.cos_sin(like, ids.int())[0], cos) and len(calls) == 3  # another dtype: called again
+    helper.rotary_emb = type("Dyn", (), {"rope_type": "dynamic", "__call__": lambda self, x, i: real(x, i)})()
+    helper._last = None
+    helper.cos_sin(like, ids)
+    assert helper._last is None  # never kept for a length-dependent RoPE

@@ -21,12 +21,29 @@ class RopeHelper:
 
     def __init__(self, rotary_emb: torch.nn.Module):
         self.rotary_emb = rotary_emb
+        self._last: tuple | None = None  # (position ids, device, cos, sin) of the latest call
 
     def cos_sin(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos, sin: [B, T, D] in fp32 -> [B, 1, T, D] to broadcast over heads
+        """cos, sin [B, 1, T, D] fp32 (the module's [B, T, D], broadcast over heads). Every layer of a forward asks for
+        the same position ids: the latest answer is kept and returned again for equal ids on the same device (one
+        rotary call per step instead of one per layer; the module's output depends on the ids alone, except for RoPE
+        types that rescale with the length, `dynamic` and `longrope`, which are never reused). Read-only."""
+        last = self._last
+        if (
+            last is not None
+            and last[1] == like.device
+            and last[0].shape == position_ids.shape
+            and last[0].dtype == position_ids.dtype
+            and last[0].device == position_ids.device
+            and torch.equal(last[0], position_ids)
+        ):
+            return last[2], last[3]
         with torch.no_grad():
             cos, sin = self.rotary_emb(like.float(), position_ids)
-        return cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+        cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+        if getattr(self.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope"):
+            self._last = (position_ids.clone(), like.device, cos, sin)
+        return cos, sin
 
     def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
         """`Positions` of tokens at position_ids [B, T] (like: any tensor on the target device)."""
