@@ -150,28 +150,42 @@ def build_error() -> str | None:
 
 def _stream_fields(sv: StreamView) -> list[int]:
     """The C `Stream` of one tensor: packed history (if any) with its format's table (0: int), window buffer and
-    sinks (the model's dtype), and a padded batch's per-row starts and counts."""
-    n, w = sv.n, sv.w
+    sinks (the model's dtype), and a padded batch's per-row starts and counts. (Runs for every layer and step: one
+    `stride()` call per tensor, layouts from a table.)"""
+    n = sv.n
     if sv.codes is not None and n:
         c, s, z, t = sv.codes, sv.scale, sv.zero, sv.table
+        ss = s.stride()
         if t is None and z is None:  # the kernel's int path adds a zero point: a table-less format must store one
             raise ValueError("a code format without a zero point must give its table (StreamView.table)")
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != 1 << sv.bits):
             raise ValueError(f"StreamView.table must be contiguous fp32 [2^bits = {1 << sv.bits}]")
-        if z is not None and z.stride() != s.stride():
+        if z is not None and z.stride() != ss:
             raise ValueError("the kernel reads scale and zero point with the same strides")
         ptrs = [c.data_ptr(), s.data_ptr(), 0 if z is None else z.data_ptr(), 0 if t is None else t.data_ptr()]
-        hist = [*ptrs, c.stride(0), c.stride(1), c.stride(2), s.stride(0), s.stride(1), s.stride(2), n]
+        hist = [*ptrs, *c.stride()[:3], *ss[:3], n]
     else:
-        hist = [0] * 11
-    u, nb = word_layout(sv.bits)
-    layout = [sv.bits, nb, BLOCK // u, sv.group_size, int(sv.axis == "token")]
-    buf = sv.window  # the window's tokens are its last w rows
-    window = [buf.data_ptr(), buf.stride(0), buf.stride(1), buf.stride(2), buf.shape[2], w]
-    sink = sv.sink
-    sinks = [sink.data_ptr(), sink.stride(0), sink.stride(1), sink.stride(2)]
-    rows = [0, 0] if sv.starts is None else [sv.starts.data_ptr(), sv.counts.data_ptr()]
-    return [*hist, *layout, *window, *sinks, DTYPES[sink.dtype], *rows]
+        hist = _NO_HISTORY
+    buf, sink = sv.window, sv.sink  # the window's tokens are its last w rows
+    rows = _NO_ROWS if sv.starts is None else [sv.starts.data_ptr(), sv.counts.data_ptr()]
+    return [
+        *hist, *_layout(sv.bits, sv.group_size, sv.axis),
+        buf.data_ptr(), *buf.stride()[:3], buf.shape[2], sv.w,
+        sink.data_ptr(), *sink.stride()[:3], DTYPES[sink.dtype], *rows,
+    ]  # fmt: skip
+
+
+_NO_HISTORY, _NO_ROWS = [0] * 11, [0, 0]
+_LAYOUTS: dict = {}
+
+
+def _layout(bits: int, group_size: int, axis: str) -> list[int]:
+    """bits, nb, m, group, token_axis of the C `Stream` (`kvq_lab.quant.pack` word layout), once per layout."""
+    key = (bits, group_size, axis)
+    if key not in _LAYOUTS:
+        u, nb = word_layout(bits)
+        _LAYOUTS[key] = [bits, nb, BLOCK // u, group_size, int(axis == "token")]
+    return _LAYOUTS[key]
 
 
 def _rope_fields(view: DecodeView, N: int) -> list[int]:
@@ -202,19 +216,25 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
     path (same results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt
     without it, `kvq_lab.cache.attention` does)."""
-    B, Hq, _, D = query.shape
-    sink = view.keys.sink
-    Hkv = sink.shape[1]
-    rope = view.rope
+    return _supports(view, query) and (mask is None or _additive_mask(mask, query.shape[0], view.N) is not False)
+
+
+def _supports(view: DecodeView, query: torch.Tensor) -> bool:
+    """`supports` less the mask (every layer and step: dtypes are singletons, compared by identity)."""
+    _, Hq, _, D = query.shape
+    k, v = view.keys, view.values
+    sink, dt, rope = k.sink, query.dtype, view.rope
     return (
-        query.device.type == "cpu"
-        and query.dtype == sink.dtype == view.keys.window.dtype == view.values.window.dtype
-        and sink.dtype in DTYPES
-        and sink.stride(-1) == view.values.sink.stride(-1) == 1
+        query.is_cpu
+        and dt in DTYPES
+        and sink.dtype is dt
+        and k.window.dtype is dt
+        and v.window.dtype is dt
+        and sink.stride()[-1] == 1
+        and v.sink.stride()[-1] == 1
         and D <= MAX_D
-        and Hq // Hkv <= MAX_R
-        and (mask is None or _additive_mask(mask, B, view.N) is not False)
-        and (rope is None or (D % 2 == 0 and rope.pos.dtype == torch.int32 and rope.pos.stride(-1) == 1))
+        and Hq // sink.shape[1] <= MAX_R
+        and (rope is None or (D % 2 == 0 and rope.pos.dtype is torch.int32 and rope.pos.stride()[-1] == 1))
     )
 
 
@@ -239,26 +259,28 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
     N = view.N
-    if not supports(view, query, mask):
+    add = _additive_mask(mask, B, N)
+    if add is False or not _supports(view, query):
         if view.rope is not None:  # the PyTorch path reads rope=pre keys only as a dequantized, rotated history
             raise ValueError(
                 "the CPU kernel cannot take this query or mask; rebuild the view without `rope` for "
                 "torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
-    add = _additive_mask(mask, B, N)
     Hkv = view.keys.sink.shape[1]
     dtype = query.dtype
-    if dtype != torch.float32 or query.stride(-1) != 1:
+    qs = query.stride()
+    if dtype is not torch.float32 or qs[-1] != 1:
         query = query.float().contiguous()
-    out = torch.empty(B, Hq, D)
+        qs = query.stride()
+    out = torch.empty(B, 1, Hq, D)  # the layout the attention function returns; rows at b * Hq * D + head * D
     chunks = -(-N // CHUNK)
-    partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device)
+    partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device, sliced=False)
     # the argument block as an int64 array.array: built from Python ints in C (~2.5 us; a ctypes array of the same
     # ~80 fields took ~15 us, once per layer and step); it lives until the call returns
     args = array.array("q", (
-        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-        0 if add is None else add.data_ptr(), 0 if add is None else add.stride(0), partial.data_ptr(),
+        query.data_ptr(), qs[0], qs[1], out.data_ptr(), Hq * D, D,
+        0 if add is None else add.data_ptr(), 0 if add is None else N, partial.data_ptr(),
         B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
         *_stream_fields(view.keys), *_stream_fields(view.values),
     ))  # fmt: skip
@@ -270,5 +292,4 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
             f"{bad} rope=pre key rows have position ids outside the RopeView table "
             f"[0, {view.rope.cos.shape[0]}): build the table over every id in RopeView.pos"
         )
-    out = out.view(B, 1, Hq, D)
     return out if dtype == torch.float32 else out.to(dtype)
