@@ -358,3 +358,50 @@ def test_rope_helper_reuses_cos_sin_only_for_equal_ids(tiny_model):
     helper._last = None
     helper.cos_sin(like, ids)
     assert helper._last is None  # never kept for a length-dependent RoPE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_rotations_are_the_attention_formula_bit_for_bit(dtype):
+    """rotate / unrotate take rotate_half(k) * sin as roll(k) * (sin, first half negated), with cos^2 + sin^2 and the
+    signed sin kept for the latest cos/sin (the layers of a step share them): the same bits as the formula, on the
+    first call and on a reused one, and fresh values for new cos/sin."""
+    from kvq_lab.quant.transforms import rope_pre as rp
+
+    g = torch.Generator().manual_seed(3)
+    k = (torch.randn(2, 3, 7, 64, generator=g) * 5).to(dtype)
+    k[0, 0, 0, :4] = 0.0  # signed zeros go through the negation too
+    for scale in (1.0, 1.3):  # attention scaling folded into cos/sin (some RoPE variants)
+        ang = torch.randn(2, 1, 7, 32, generator=g) * 100
+        cos, sin = (torch.cat([f(ang), f(ang)], -1) * scale for f in (torch.cos, torch.sin))
+        kf = k.float()
+        want_r = (kf * cos + rp.rotate_half(kf) * sin).to(dtype)
+        want_u = ((kf * cos - rp.rotate_half(kf) * sin) / (cos * cos + sin * sin)).to(dtype)
+        for _ in range(2):  # computed, then reused
+            assert torch.equal(rp.rotate(k, cos, sin), want_r)
+            assert torch.equal(rp.unrotate(k, cos, sin), want_u)
+
+
+def test_step_position_ids_are_computed_once_per_forward(tiny_model):
+    """The layers of one forward pass the same position_ids tensor: one int32 conversion and max for all of them,
+    recomputed for another tensor, an in-place change, another start, or an inference tensor whose values changed."""
+    from kvq_lab.cache.rope import step_position_ids
+
+    helper = RopeHelper(tiny_model.model.rotary_emb)
+    pos = torch.tensor([[5], [9]])
+    ids, top = step_position_ids(helper, {"position_ids": pos}, 2, 10, 1, pos.device)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[5], [9]] and top == 9
+    again = step_position_ids(helper, {"position_ids": pos}, 2, 10, 1, pos.device)
+    assert again[0] is ids  # every layer gets the same tensor (and RopeHelper.cos_sin reuses its cos/sin)
+    pos += 1  # in place: a new version
+    assert step_position_ids(helper, {"position_ids": pos}, 2, 10, 1, pos.device)[1] == 10
+    other = torch.tensor([[6], [10]])
+    assert step_position_ids(helper, {"position_ids": other}, 2, 10, 1, pos.device)[0] is not ids
+    ranged, top = step_position_ids(helper, {}, 1, 4, 3, pos.device)  # no position_ids: the cache's range
+    assert ranged.tolist() == [[4, 5, 6]] and top == 6
+    assert step_position_ids(helper, {}, 1, 7, 3, pos.device)[1] == 9  # another start
+    with torch.inference_mode():
+        inf = torch.tensor([[3]])
+        first = step_position_ids(helper, {"position_ids": inf}, 1, 3, 1, inf.device)[0]
+        assert step_position_ids(helper, {"position_ids": inf}, 1, 3, 1, inf.device)[0] is first
+        inf += 4  # no version counter: the values are compared
+        assert step_position_ids(helper, {"position_ids": inf}, 1, 3, 1, inf.device)[1] == 7

@@ -70,7 +70,7 @@ from kvq_lab.quant.transforms.rope_pre import RopePre
 from .attention import PackedKV, route_model
 from .backends import get_backend
 from .base import QuantizedLayerBase, register_layer
-from .rope import position_ids_from
+from .rope import step_position_ids
 from .rows import left_padded_sinks
 from .store import tensor_bytes
 from .streams import make_stream
@@ -150,9 +150,9 @@ class PackedLayer(QuantizedLayerBase):
         self.check_finite(key_states, value_states)
         pos = None
         if self.positional:
-            ids = position_ids_from(kwargs, B, self.N, n, key_states.device).to(torch.int32)
+            ids, top = step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device)  # once per forward
             self._pos = ids if self._pos is None else torch.cat([self._pos, ids], 1)
-            self._pos_top = max(self._pos_top, int(ids.max()))
+            self._pos_top = max(self._pos_top, top)
             pos = self.positions(key_states, ids)
         # what the streams store: the tokens as the quantizers see them (the transforms applied)
         tk = key_states if self.k_pipe is None else self.k_pipe.forward(key_states, pos)

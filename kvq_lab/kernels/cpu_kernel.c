@@ -275,20 +275,21 @@ static inline void rope_row(const float *restrict k, const float *restrict c, co
 /* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
    tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
    rows are dequantized (a run of consecutive rows at once), fp16 / bf16 rows converted, and, with `rope` (keys under
-   rope=pre), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D]). Returns the
+   rope=pre), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D]; with rope,
+   rows are dequantized or converted into the same slot of tmp first and rotated from there into buf). Returns the
    rows whose position id is outside the rope table (their rows are left unrotated; the call's result is refused). */
 static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t pa, int64_t pb, int64_t pad,
-                         int rope, float *restrict buf, const float **rows) {
+                         float *restrict buf, float *restrict tmp, const float **rows) {
     const int64_t D = a->D, xdt = st->xdt;
     const int64_t start = st->starts ? ((const int64_t *)st->starts)[b] : a->s;
     const int64_t count = st->counts ? ((const int64_t *)st->counts)[b] : st->n;
     const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
+    const int rope = tmp != 0;
     const int32_t *pos = rope ? (const int32_t *)a->pos + b * a->pb : 0;
-    float rbuf[KVQ_MAX_D];
     int64_t bad = 0;
     for (int64_t p = pa; p < pb;) {
         const int64_t i = p - pa, j = p - pad;
-        float *slot = buf + i * D;
+        float *slot = buf + i * D, *dst = rope ? tmp + i * D : slot;  /* dst: where rows are first written */
         if (j < a->s) {  /* a sink: exact, as the model made it (post-RoPE) */
             rows[i] = exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, xdt, D, slot);
             p++;
@@ -299,11 +300,11 @@ static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, 
         int window = 1;
         if (t < count) {  /* a run of history rows, dequantized at once */
             n = (start + count < pb ? start + count : pb) - p;
-            history_rows(st, b, h, t, n, D, slot);
-            for (int64_t k = 0; k < n; k++) rows[i + k] = slot + k * D;
+            history_rows(st, b, h, t, n, D, dst);
+            for (int64_t k = 0; k < n; k++) rows[i + k] = dst + k * D;
             window = 0;
         } else
-            rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, slot);
+            rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, dst);
         if (rope)  /* pre-RoPE keys (history and window): rotated at their position ids */
             for (int64_t k = 0; k < n; k++) {
                 const int64_t id = pos[p + k];
@@ -311,12 +312,12 @@ static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, 
                     bad++;
                     continue;
                 }
-                rope_row(rows[i + k], rcos + id * (D / 2), rsin + id * (D / 2), D, rbuf);
+                float *out = buf + (i + k) * D;
+                rope_row(rows[i + k], rcos + id * (D / 2), rsin + id * (D / 2), D, out);
                 /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path
                    re-rotates the window (`rotate` returns the key's dtype), so both attend to the same keys */
-                if (xdt && window) round_to(rbuf, xdt, D);
-                memcpy(buf + (i + k) * D, rbuf, (size_t)D * sizeof(float));
-                rows[i + k] = buf + (i + k) * D;
+                if (xdt && window) round_to(out, xdt, D);
+                rows[i + k] = out;
             }
         p += n;
     }
@@ -427,7 +428,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
     const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
     const int64_t sub = KVQ_SUB_FLOATS / D < KVQ_MAX_CHUNK ? KVQ_SUB_FLOATS / D : KVQ_MAX_CHUNK;
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
-    float buf[KVQ_SUB_FLOATS];
+    float buf[KVQ_SUB_FLOATS], tmp[KVQ_SUB_FLOATS];  /* tmp: rope=pre keys before their rotation */
     const float *rows[KVQ_MAX_CHUNK];
     const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
@@ -437,7 +438,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
         for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = -INFINITY;
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
-        bad += fill_rows(a, &a->k, b, h, pa, pb, pad, a->rcos != 0, buf, rows);
+        bad += fill_rows(a, &a->k, b, h, pa, pb, pad, buf, a->rcos ? tmp : 0, rows);
         for (int64_t p = pa; p < pb; p++) {
             for (int64_t i = 0; i < r; i++)
                 sc[i * T + (p - p0)] = dot(q + i * a->qh, rows[p - pa], D) * scaling + (mask ? mask[p] : 0.0f);
@@ -455,7 +456,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
     }
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
-        fill_rows(a, &a->v, b, h, pa, pb, pad, 0, buf, rows);
+        fill_rows(a, &a->v, b, h, pa, pb, pad, buf, 0, rows);
         for (int64_t i = 0; i < r; i++)
             weighted_sum(part + i * (D + 2) + 2, sc + i * T + (pa - p0), rows, pb - pa, D);
     }

@@ -17,6 +17,7 @@ attention cannot fold it: the dequantized keys are re-rotated at their positions
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,16 +35,37 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+_LAST: list = [None]  # (cos, sin) weak references and what `_shared` derived from them
+
+
+def _shared(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos^2 + sin^2, and sin with its first half negated, for the latest cos/sin: every layer of a decode step gets
+    the same cos/sin tensors (`kvq_lab.cache.rope.RopeHelper` keeps them), so these are computed once per step."""
+    import torch
+
+    last = _LAST[0]
+    if last is not None and last[0]() is cos and last[1]() is sin:
+        return last[2], last[3]
+    h = sin.shape[-1] // 2
+    norm, signed = cos * cos + sin * sin, torch.cat((-sin[..., :h], sin[..., h:]), dim=-1)
+    _LAST[0] = (weakref.ref(cos), weakref.ref(sin), norm, signed)
+    return norm, signed
+
+
 def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """k [B, H, T, D] pre-RoPE -> post-RoPE (in k's dtype), the attention layer's own formula."""
+    """k [B, H, T, D] pre-RoPE -> post-RoPE (in k's dtype), the attention layer's own formula,
+    k*cos + rotate_half(k)*sin (rotate_half(k)*sin computed as roll(k)*signed sin: the same bits)."""
     kf = k.float()
-    return (kf * cos + rotate_half(kf) * sin).to(k.dtype)
+    _, signed = _shared(cos, sin)
+    return (kf * cos + kf.roll(kf.shape[-1] // 2, -1) * signed).to(k.dtype)
 
 
 def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `rotate`: R^T k / |R|^2, exact for any attention scaling folded into cos/sin."""
+    """Inverse of `rotate`: R^T k / |R|^2 = (k*cos - rotate_half(k)*sin) / (cos^2 + sin^2), exact for any attention
+    scaling folded into cos/sin."""
     kf = k.float()
-    return ((kf * cos - rotate_half(kf) * sin) / (cos * cos + sin * sin)).to(k.dtype)
+    norm, signed = _shared(cos, sin)
+    return ((kf * cos - kf.roll(kf.shape[-1] // 2, -1) * signed) / norm).to(k.dtype)
 
 
 @register_transform("rope_pre")
