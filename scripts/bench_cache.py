@@ -16,11 +16,13 @@ quantizers, fake quant), ours recompute (XQuant-like: the attention input X proj
 singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K and V rebuilt at every step), and
 transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
 default axes, 0). The bf16 and batch-4 settings run DynamicCache and ours packed (auto, rope=post and pre).
-Runs are interleaved (cache A, B, C, ..., then again) so that load from other processes hits every cache alike;
-each figure is the median over repeats.
+Caches alternate step by step: every cache of a setting and length is prefilled, then they decode in turn, one step
+each (A, B, C, A, B, C, ...), so that load from other processes hits every cache alike (the machine's speed drifts by
+10-30% over minutes here, while a step takes a fraction of a second); `--repeats` does it again with fresh caches.
 
-Decode tokens/s: greedy steps after `--warmup` steps, each step one forward of one token per row (batch rows
-count once: a step of batch 4 is 4 tokens), prefill excluded. Prefill is timed on its own. Peak cache bytes: the
+Decode tokens/s: rows per step over the median step time, pooled over the repeats' greedy steps after `--warmup`
+steps, each step one forward of one token per row (batch rows count once: a step of batch 4 is 4 tokens), prefill
+excluded. Prefill is timed on its own. Peak cache bytes: the
 largest size the cache reached during the run (walked tensors, counted once each); "fp16" is the same tokens as an
 fp16 K/V cache. For ours packed, "arith" is the size the storage arithmetic predicts from the token counts:
 quantized elements at the format's code bits + 16 bits per stored parameter per group of G (int: scale and zero;
@@ -32,7 +34,7 @@ fp8: scale), sinks and the fixed R-token windows at the model dtype's size, and 
     rope      post | pre                            dtype    float32 | bfloat16 (the model's)
     batch     rows decoded together                 format   int | fp8_e4m3 (null: DynamicCache)
     length    prompt tokens (the padded length for a batch)
-    tok_s     decode tokens/s (median)              ratio    tok_s / DynamicCache's at the same length, dtype, batch
+    tok_s     decode tokens/s (median step)         ratio    tok_s / DynamicCache's at the same length, dtype, batch
     prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat)
     measured_over_arith  peak bytes / storage arithmetic (ours packed; else null)
 """
@@ -194,46 +196,66 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-@torch.no_grad()
-def run_once(model, make, ids, mask, new_tokens: int, warmup: int) -> dict:
-    """Prefill ids [B, L] (mask: left padding, or None), then `new_tokens` greedy steps of one token per row."""
-    cache = make()
-    dev = model.device
-    kw = {cache_kwarg(): cache, "use_cache": True}
-    pos = None
-    if mask is not None:  # a left-padded batch: the mask and the position ids generate would pass
-        if isinstance(cache, QuantizedKVCache):
-            cache.set_padding(mask)
-        mask = mask.to(dev)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        kw.update(attention_mask=mask, position_ids=pos)
-    ids = ids.to(dev)
-    t0 = clock(dev)
-    out = model(ids, **kw)
-    prefill = clock(dev) - t0
-    nxt = out.logits[:, -1:].argmax(-1)
-    peak = cache_bytes(cache)
-    steps = []
-    tokens = [nxt[:, 0].tolist()]
-    for _ in range(new_tokens):
-        if mask is not None:
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-            pos = pos[:, -1:] + 1
-            kw.update(attention_mask=mask, position_ids=pos)
+class Run:
+    """One cache's greedy generation, advanced a step at a time so that the caches of a comparison alternate step by
+    step: prefill ids [B, L] (mask: left padding, or None) at creation (timed), then `step()`: one forward of one token
+    per row (timed), the cache's size checked after each (untimed)."""
+
+    @torch.no_grad()
+    def __init__(self, model, make, ids, mask):
+        self.model, self.cache = model, make()
+        dev = self.dev = model.device
+        self.kw = {cache_kwarg(): self.cache, "use_cache": True}
+        self.mask = self.pos = None
+        if mask is not None:  # a left-padded batch: the mask and the position ids generate would pass
+            if isinstance(self.cache, QuantizedKVCache):
+                self.cache.set_padding(mask)
+            self.mask = mask.to(dev)
+            self.pos = (self.mask.cumsum(1) - 1).clamp(min=0)
+            self.kw.update(attention_mask=self.mask, position_ids=self.pos)
+        ids = ids.to(dev)
         t0 = clock(dev)
-        out = model(nxt, **kw)
-        nxt = out.logits[:, -1:].argmax(-1)
-        steps.append(clock(dev) - t0)
-        tokens.append(nxt[:, 0].tolist())
-        b = cache_bytes(cache)
-        if b[0] > peak[0]:
-            peak = b
-    timed = steps[warmup:]
-    B = ids.shape[0]
-    res = {"prefill_s": prefill, "decode_tps": B * len(timed) / sum(timed), "peak": peak, "tokens": tokens}
-    if isinstance(cache, QuantizedKVCache) and cache.cfg.mode == "packed":
-        res["arith"] = arithmetic_bytes(cache)
-    return res
+        out = model(ids, **self.kw)
+        self.prefill = clock(dev) - t0
+        self.nxt = out.logits[:, -1:].argmax(-1)
+        self.peak = cache_bytes(self.cache)
+        self.steps: list[float] = []
+        self.tokens = [self.nxt[:, 0].tolist()]
+        self.batch = ids.shape[0]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+            self.pos = self.pos[:, -1:] + 1
+            self.kw.update(attention_mask=self.mask, position_ids=self.pos)
+        t0 = clock(self.dev)
+        out = self.model(self.nxt, **self.kw)
+        self.nxt = out.logits[:, -1:].argmax(-1)
+        self.steps.append(clock(self.dev) - t0)
+        self.tokens.append(self.nxt[:, 0].tolist())
+        b = cache_bytes(self.cache)
+        if b[0] > self.peak[0]:
+            self.peak = b
+
+    def result(self, warmup: int) -> dict:
+        res = {"prefill_s": self.prefill, "step_s": self.steps[warmup:], "peak": self.peak, "tokens": self.tokens}
+        if isinstance(self.cache, QuantizedKVCache) and self.cache.cfg.mode == "packed":
+            res["arith"] = arithmetic_bytes(self.cache)
+        return res
+
+
+def run_alternating(model, rows: list[Row], ids, mask, new_tokens: int, warmup: int) -> dict[str, dict]:
+    """Every cache of `rows` prefilled (one after the other), then decoded in turn, one step each: A, B, C, A, B,
+    C, ... Load from elsewhere on the machine that lasts longer than a step hits every cache alike. Returns each
+    label's `Run.result`."""
+    runs = {r.label: Run(model, r.make, ids, mask) for r in rows}
+    for _ in range(new_tokens):
+        for run in runs.values():
+            run.step()
+    out = {label: run.result(warmup) for label, run in runs.items()}
+    runs.clear()  # free the caches before the next repeat prefills
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -272,8 +294,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     where = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or platform.machine()
     print(
         f"# {args.model} on {dev} ({where}, {torch.get_num_threads()} threads), "
-        f"torch {torch.__version__}, greedy, {new_tokens} new tokens ({warmup} warm-up steps untimed), median of "
-        f"{repeats} interleaved runs"
+        f"torch {torch.__version__}, greedy, {new_tokens} new tokens ({warmup} warm-up steps untimed), caches "
+        f"alternating step by step, median step of {repeats} repeat(s)"
     )
     model = tok = None
     for setting in args.settings:
@@ -291,15 +313,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ids, mask = batch_prompt(text_ids, L, batch)
             results = {c.label: [] for c in caches}
             for _ in range(repeats):
-                for c in caches:
-                    results[c.label].append(run_once(model, c.make, ids, mask, new_tokens, warmup))
-            base = statistics.median(r["decode_tps"] for r in results["DynamicCache"])
+                for label, res in run_alternating(model, caches, ids, mask, new_tokens, warmup).items():
+                    results[label].append(res)
+            # decode tok/s: rows per step over the median timed step of all repeats
+            tps_of = {k: batch / statistics.median(t for r in rs for t in r["step_s"]) for k, rs in results.items()}
+            base = tps_of["DynamicCache"]
             print(f"\n## {setting} ({str(dtype).removeprefix('torch.')}, batch {batch}), prompt {L} tokens\n")
             print("| cache | decode tok/s | vs Dynamic | prefill s | peak cache MB | / fp16 | measured / arith |")
             print("|---|---|---|---|---|---|---|")
             for c in caches:
                 rs = results[c.label]
-                tps = statistics.median(r["decode_tps"] for r in rs)
+                tps = tps_of[c.label]
                 pre = statistics.median(r["prefill_s"] for r in rs)
                 stored, fp16 = rs[-1]["peak"]
                 ratio = stored / rs[-1]["arith"] if "arith" in rs[-1] else None
