@@ -33,8 +33,12 @@ class RopeHelper:
         types that rescale with the length, `dynamic` and `longrope`, which are never reused). Read-only."""
         last = self._last
         version = _version_of(position_ids)
-        if last is not None and version is not None and last[4]() is position_ids and last[5] == version and (
-            last[1] == like.device
+        if (
+            last is not None
+            and version is not None
+            and last[4]() is position_ids
+            and last[5] == version
+            and (last[1] == like.device)
         ):
             return last[2], last[3]  # the very tensor of the latest call (`step_position_ids` hands every layer one)
         if (

@@ -42,7 +42,10 @@ from .view import DecodeView, StreamView, check_codes_only
 from .workspace import workspace
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
-FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-Werror=implicit-function-declaration", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = [
+    "-O3", "-ffp-contract=off", "-fno-trapping-math", "-Werror=implicit-function-declaration", "-fopenmp", "-shared",
+    "-fPIC",
+]  # fmt: skip
 MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # `Stream.xdt`: the model's dtype
 
