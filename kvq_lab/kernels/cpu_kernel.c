@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void history_rows_dg(const Stream *
                     deq_run(o + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
             }
         } else {
-            if (t >= g_end || i == 0) {  /* a new group of G rows: its D parameters */
+            if (t >= g_end) {  /* a new group of G rows (the first row too: g_end starts at 0): its D parameters */
                 const int64_t g = t / G;
                 g_end = (g + 1) * G;
                 if (zp)
@@ -274,9 +274,9 @@ static inline void rope_row(const float *restrict k, const float *restrict c, co
 
 /* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
    tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
-   rows are dequantized (a run of consecutive rows at once), fp16 / bf16 rows converted, and, with `rope` (keys under
-   rope=pre), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D]; with rope,
-   rows are dequantized or converted into the same slot of tmp first and rotated from there into buf). Returns the
+   rows are dequantized (a run of consecutive rows at once), fp16 / bf16 rows converted, and, with `tmp` (keys under
+   rope=pre; 0 otherwise), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D];
+   with tmp, rows are dequantized or converted into the same slot of tmp first and rotated from there into buf). Returns the
    rows whose position id is outside the rope table (their rows are left unrotated; the call's result is refused). */
 static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t pa, int64_t pb, int64_t pad,
                          float *restrict buf, float *restrict tmp, const float **rows) {

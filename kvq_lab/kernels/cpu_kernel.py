@@ -219,14 +219,7 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
     path (same results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt
     without it, `kvq_lab.cache.attention` does)."""
-    add = None if mask is None else _additive_mask(mask, query.shape[0], view.N)
-    ok = add is not False and _supports(view, query)
-    # the attention function asks before it calls: `decode_attention` takes this very view, query and mask as checked
-    _ACCEPTED[0] = (view, query, mask, add) if ok else None
-    return ok
-
-
-_ACCEPTED: list = [None]  # the (view, query, mask, additive mask) `supports` last accepted, until the call uses it
+    return _supports(view, query) and (mask is None or _additive_mask(mask, query.shape[0], view.N) is not False)
 
 
 def _supports(view: DecodeView, query: torch.Tensor) -> bool:
@@ -269,13 +262,8 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
     N = view.N
-    accepted, _ACCEPTED[0] = _ACCEPTED[0], None
-    if accepted is not None and accepted[0] is view and accepted[1] is query and accepted[2] is mask:
-        add, ok = accepted[3], True  # `supports` checked this very view, query and mask just before
-    else:
-        add = _additive_mask(mask, B, N)
-        ok = add is not False and _supports(view, query)
-    if not ok:
+    add = _additive_mask(mask, B, N)  # built once: `supports` would build it again
+    if add is False or not _supports(view, query):
         if view.rope is not None:  # the PyTorch path reads rope=pre keys only as a dequantized, rotated history
             raise ValueError(
                 "the CPU kernel cannot take this query or mask; rebuild the view without `rope` for "
