@@ -23,39 +23,21 @@ class RopeHelper:
 
     def __init__(self, rotary_emb: torch.nn.Module):
         self.rotary_emb = rotary_emb
-        self._last: tuple | None = None  # (position ids, device, cos, sin, ids tensor ref, its version): latest call
-        self._step: tuple | None = None  # the latest `step_position_ids` answer and its key
+        self._last: _Latest | None = None  # the latest `cos_sin` answer
+        self._step: _Latest | None = None  # the latest `step_position_ids` answer
 
     def cos_sin(self, like: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] fp32 (the module's [B, T, D], broadcast over heads). Every layer of a forward asks for
-        the same position ids: the latest answer is kept and returned again for equal ids on the same device (one
+        the same position ids: the latest answer is kept and returned again for those ids on the same device (one
         rotary call per step instead of one per layer; the module's output depends on the ids alone, except for RoPE
         types that rescale with the length, `dynamic` and `longrope`, which are never reused). Read-only."""
-        last = self._last
-        version = _version_of(position_ids)
-        if (
-            last is not None
-            and version is not None
-            and last[4]() is position_ids
-            and last[5] == version
-            and (last[1] == like.device)
-        ):
-            return last[2], last[3]  # the very tensor of the latest call (`step_position_ids` hands every layer one)
-        if (
-            last is not None
-            and last[1] == like.device
-            and last[0].shape == position_ids.shape
-            and last[0].dtype == position_ids.dtype
-            and last[0].device == position_ids.device
-            and torch.equal(last[0], position_ids)
-        ):
-            return last[2], last[3]
+        if self._last is not None and self._last.holds(like.device, position_ids):
+            return self._last.value
         with torch.no_grad():
             cos, sin = self.rotary_emb(like.float(), position_ids)
         cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
         if getattr(self.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope"):
-            ref = weakref.ref(position_ids)
-            self._last = (position_ids.clone(), like.device, cos, sin, ref, version)
+            self._last = _Latest(like.device, position_ids, (cos, sin))
         return cos, sin
 
     def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
@@ -86,25 +68,46 @@ def step_position_ids(
 ) -> tuple[torch.Tensor, int]:
     """int32 position ids [batch, length] of this update (`position_ids_from`) and the largest of them. With a
     `RopeHelper` (one per cache), computed once per forward: every layer passes the same `position_ids` tensor (or
-    none, at the same start), so the latest answer is returned again for that very tensor, unmodified (its version),
-    at the same batch, start, length and device; each layer then hands the same ids to `RopeHelper.cos_sin`."""
+    none, at the same start), so the latest answer is returned again for those ids at the same batch, start, length
+    and device; each layer then hands the same ids tensor to `RopeHelper.cos_sin`, which knows it."""
     inner = kwargs.get("kwargs") if isinstance(kwargs.get("kwargs"), dict) else kwargs
     raw = inner.get("position_ids") if inner else None
-    key = (batch, start, length, device, None if raw is None else _version_of(raw))
-    last = rope._step if rope is not None else None
-    if last is not None and last[0] == key:
-        if raw is None and last[1] is None:
-            return last[2], last[3]
-        if raw is not None and last[1] is not None and last[1]() is raw:
-            # the same tensor: unmodified since (its version), or, for an inference tensor (no version), equal values
-            if key[-1] is not None or torch.equal(raw, last[4]):
-                return last[2], last[3]
+    key = (batch, start, length, device)
+    if rope is not None and rope._step is not None and rope._step.holds(key, raw):
+        return rope._step.value
     ids = position_ids_from(kwargs, batch, start, length, device).to(torch.int32)
-    top = int(ids.max()) if ids.numel() else -1
+    answer = ids, int(ids.max()) if ids.numel() else -1
     if rope is not None:
-        held = None if raw is None or key[-1] is not None else raw.clone()
-        rope._step = (key, None if raw is None else weakref.ref(raw), ids, top, held)
-    return ids, top
+        rope._step = _Latest(key, raw, answer)
+    return answer
+
+
+class _Latest:
+    """An answer computed from a tensor `ids` (or from none) under `key`, kept to be given again: for that very tensor
+    unmodified since (its version counter: no comparison), else for equal values (an inference tensor keeps no
+    version; another tensor may hold the same ids)."""
+
+    __slots__ = ("key", "ref", "version", "held", "value")
+
+    def __init__(self, key, ids: torch.Tensor | None, value):
+        self.key, self.value = key, value
+        self.ref = None if ids is None else weakref.ref(ids)
+        self.version = None if ids is None else _version_of(ids)
+        self.held = None if ids is None else ids.clone()
+
+    def holds(self, key, ids: torch.Tensor | None) -> bool:
+        """Whether `value` is the answer for `ids` under `key`."""
+        if key != self.key or (ids is None) != (self.held is None):
+            return False
+        if ids is None:
+            return True
+        version = _version_of(ids)
+        if version is not None and self.ref() is ids and version == self.version:
+            return True
+        held = self.held
+        return (
+            ids.shape == held.shape and ids.dtype == held.dtype and ids.device == held.device and torch.equal(ids, held)
+        )
 
 
 def _version_of(t: torch.Tensor) -> int | None:
