@@ -89,6 +89,34 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     assert bool((layer.k_stream.store.scale.float().abs() < 6.1e-5).any())  # subnormals were really there
 
 
+@pytest.mark.parametrize("key,value", [
+    (QuantSpec(8, 32, "channel", "fp8_e4m3"), QuantSpec(8, 32, "token", "fp8_e5m2")),  # fp8: computed from the bits
+    (QuantSpec(4, 32, "token", "lut"), QuantSpec(2, 32, "channel", "lut")),  # <= 16 entries: lane permutes
+    (QuantSpec(3, 32, "channel", "lut"), QuantSpec(1, 32, "token", "lut")),  # 8 entries, 2 (a padded table)
+])  # fmt: skip
+def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, value):
+    """The AVX2 paths for formats with a table (fp8 values computed from the code bits, small tables looked up by
+    lane permutes) give exactly the portable build's scalar lookups, negative zero and subnormal codes included."""
+    cfg = CacheConfig(key=key, value=value, mode="packed", residual_length=32, sink_tokens=1, backend="cpu")
+    layer = PackedLayer(cfg, None, PaddingState())
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(1, 2, 150, 64, generator=g), torch.randn(1, 2, 150, 64, generator=g)
+    k[:, :, :, 7] *= 30  # an outlier channel: small codes elsewhere (fp8 subnormals)
+    v[:, :, 40:60] = -0.0
+    layer.update(k, v)
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    assert cpu_kernel.supports(layer.decode_view(), q) and layer.k_stream.n_quantized(150) > 0
+    default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
+    assert torch.equal(portable, default)
+    torch.testing.assert_close(default, decode_attention_torch(layer.decode_view(), q, None, 0.125), rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
 def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     """Same greedy tokens with backend=cpu and backend=torch, and decode steps really go through the kernel."""
     calls = []

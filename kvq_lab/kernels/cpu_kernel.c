@@ -17,7 +17,12 @@ build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only 
 Code formats (kvq_lab/quant/formats): every format dequantizes as `table[code] * scale + zero`, with an fp32 table of
 2^bits entries and no zero point for some formats (fp8: `table[code] * scale`). A stream without a table is `int`,
 whose codes are their own values: `code * scale + zero`, the loop this kernel had before formats (`deq_run`), kept
-as it was so the int path stays as fast; formats with a table go through `deq_run_table`.
+as it was so the int path stays as fast; formats with a table go through `deq_run_table`. A lookup does not
+vectorise as such: with AVX2, one-byte words of tables of <= 16 entries (2-4 bit lut / nuq) are looked up 8 codes at a
+time by lane permutes of the table held in registers, and a 256-entry table that is bit for bit the fp8 e4m3fn or e5m2
+decoding (the fp8 formats' tables; checked once per call, `minifloat_of`) is computed from the codes' bits instead of
+read (`minifloat8`: a gather or 8 scalar loads is slower on x86 cores such as AMD Zen 3); other tables keep the
+scalar lookup. Every path gives exactly table[code] and the same two roundings.
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes
 of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + m, ... in `bits`-bit fields,
@@ -31,7 +36,8 @@ absolute position p is p - starts[b], history while below counts[b], else the wi
 pads = 0, starts = s and counts = n for every row, the layout this kernel had before.
 
 rope=pre (keys quantized before RoPE, KVQuant): history and window keys are stored pre-RoPE; each key row after the
-sinks is rotated at its position id just before its dot products (`rope_row`), from a shared table of the model's
+sinks is rotated at its position id just before its dot products (`rope_row`; history rows one by one as they are
+dequantized, from a row on the stack still in L1, not from a dequantized sub-block), from a shared table of the model's
 cos/sin at every position id ([P, D/2], the halves of transformers' duplicated cos/sin), in the reference's order
 of operations: k*cos + rotate_half(k)*sin, two products and one sum per element, no fma. A table read, not a sincos
 per row: the same values the PyTorch path rotates with (it reads the same table), and no transcendental per row
@@ -77,8 +83,14 @@ typedef struct {
 
 int64_t kvq_args_size(void) { return (int64_t)sizeof(Args); }
 
-#if defined(__F16C__) && !defined(KVQ_PORTABLE)
+#if (defined(__F16C__) || defined(__AVX2__)) && !defined(KVQ_PORTABLE)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && !defined(KVQ_PORTABLE)
+#define KVQ_AVX2 1 /* table lookups of 8 codes at once (deq_run_table) */
+#endif
+
+#if defined(__F16C__) && !defined(KVQ_PORTABLE)
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); } /* one instruction (x86 F16C) */
 #else
 static inline float half_to_float(uint16_t h) {
@@ -152,25 +164,98 @@ static inline void deq_run(float *restrict out, const uint8_t *restrict row, int
         }
 }
 
+#if KVQ_AVX2
+/* The codes of bytes row[0 .. 8) (`shift` bits up, under `mask`), one per 32-bit lane */
+static inline __m256i codes8(const uint8_t *row, unsigned shift, unsigned mask) {
+    __m128i bytes;
+    memcpy(&bytes, row, 8); /* the upper 8 bytes are never used */
+    return _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(bytes), _mm_cvtsi32_si128((int)shift)),
+                            _mm256_set1_epi32((int)mask));
+}
+
+/* table[code] for 8 codes of a table of <= 16 entries, exact: <= 8 entries are one register and a lane permute;
+   16, two permutes and a select on the code's bit 3 (t0, t1: entries 0-7, 8-15). */
+static inline __m256 lookup8(__m256i code, unsigned mask, __m256 t0, __m256 t1) {
+    if (mask < 8) return _mm256_permutevar8x32_ps(t0, code);
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, code), _mm256_permutevar8x32_ps(t1, code),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+}
+
+/* The values of 8 fp8 codes (one per lane, bits 0-7) with m mantissa bits (3: e4m3fn, 2: e5m2): sign, 7 - m
+   exponent bits of bias 2^(6-m) - 1, subnormals below exponent 1, computed exactly (integer ops for normals,
+   a small integer times a power of 2 for subnormals); the non-finite patterns (magnitudes from 0x7f for e4m3fn, 0x7c
+   for e5m2) are +0.0, as in fp8.py's tables. */
+static inline __m256 minifloat8(__m256i code, int m) {
+    const int bias = (1 << (6 - m)) - 1, top = m == 3 ? 0x7f : 0x7c;
+    const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
+    const __m256i normal = _mm256_add_epi32(_mm256_sll_epi32(mag, _mm_cvtsi32_si128(23 - m)),
+                                            _mm256_set1_epi32((127 - bias) << 23));
+    const __m256 ulp = _mm256_castsi256_ps(_mm256_set1_epi32((128 - bias - m) << 23)); /* 2^(1 - bias - m) */
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), ulp);
+    __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub,
+                                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << m), mag)));
+    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 7), 31)));
+    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(top - 1))), v);
+}
+
+/* m (3 or 2) where a stream's table is bit for bit minifloat8's e4m3fn or e5m2 decoding of its 256 codes (the fp8
+   formats' tables), so that deq_run_table computes its values instead of looking them up (a lookup of 8 codes from
+   256 entries is 8 loads, or a gather, which is no faster on some x86 cores); else 0. Once per call and stream. */
+static int minifloat_of(const Stream *st) {
+    const float *table = (const float *)st->table;
+    if (!table || st->bits != 8) return 0;
+    for (int m = 3; m >= 2; m--) {
+        int same = 1;
+        for (int c = 0; c < 256 && same; c += 8) {
+            const __m256i code = _mm256_add_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256i want = _mm256_loadu_si256((const __m256i *)(table + c));
+            same = _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_castps_si256(minifloat8(code, m)), want)) == -1;
+        }
+        if (same) return m;
+    }
+    return 0;
+}
+#endif
+
 /* The same for a format with a table: out[d] = table[code(d)] * s[d] (+ z[d] where z is not NULL: formats without
-   a zero point store none and add nothing, so -0.0 stays -0.0 as in the reference). */
+   a zero point store none and add nothing, so -0.0 stays -0.0 as in the reference). `table` has 2^bits entries, and
+   at least 16 readable ones (zero-padded) for bits <= 4. AVX2 builds take 8 channels at a time where nb == 1 and
+   the table has <= 16 entries (two registers: lookup8) or is an fp8 decoding (mf, from minifloat_of: minifloat8),
+   with the same two roundings (a product, then a sum); the scalar loops below are the portable path and take the
+   channels left over and every other table. */
 static inline void deq_run_table(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
-                                 unsigned shift, unsigned mask, const float *restrict table, const float *restrict s,
-                                 const float *restrict z, int64_t ds, int64_t n) {
+                                 unsigned shift, unsigned mask, const float *restrict table, int mf,
+                                 const float *restrict s, const float *restrict z, int64_t ds, int64_t n) {
+    int64_t d = 0;
+#if KVQ_AVX2
+    if (nb == 1 && (mask < 16 || mf)) {
+        const __m256 t0 = mask < 16 ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
+        const __m256 t1 = mask < 16 ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
+        for (; d + 8 <= n; d += 8) {
+            const __m256i code = codes8(row + d, shift, mask);
+            __m256 v = _mm256_mul_ps(mf ? minifloat8(code, mf) : lookup8(code, mask, t0, t1),
+                                     ds ? _mm256_loadu_ps(s + d) : _mm256_set1_ps(s[0]));
+            if (z) v = _mm256_add_ps(v, ds ? _mm256_loadu_ps(z + d) : _mm256_set1_ps(z[0]));
+            _mm256_storeu_ps(out + d, v);
+        }
+    }
+#else
+    (void)mf;
+#endif
     if (nb == 1 && ds) {  /* per-channel parameters (z: per channel too) */
         if (z)
-            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d] + z[d];
+            for (; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d] + z[d];
         else
-            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d];
+            for (; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s[d];
     } else if (nb == 1) {  /* one group: one scale (and zero point) for all n */
         const float s0 = s[0];
         if (z) {
             const float z0 = z[0];
-            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0 + z0;
+            for (; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0 + z0;
         } else
-            for (int64_t d = 0; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0;
+            for (; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0;
     } else
-        for (int64_t d = 0; d < n; d++) {
+        for (; d < n; d++) {
             uint32_t word = 0;
             for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
             const float v = table[(word >> shift) & mask] * s[ds * d];
@@ -178,32 +263,64 @@ static inline void deq_run_table(float *restrict out, const uint8_t *restrict ro
         }
 }
 
-/* Dequantize history rows t0 .. t0 + n - 1 (storage positions) of stream st at (b, h) into out[n][D]. The run's
+/* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
+   (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. */
+static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, int64_t D,
+                            float *restrict out) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        out[i] = k[i] * c[i] - k[i + h] * s[i];
+        out[i + h] = k[i + h] * c[i] + k[i] * s[i];
+    }
+}
+
+/* out = k rotated at position id `id` of the call's rope table (rope_row); an id outside the table leaves k as it is
+   and returns 1 (counted: the call's result is refused), else 0. */
+static inline int64_t rope_at(const Args *a, int64_t id, const float *restrict k, int64_t D, float *restrict out) {
+    if (id < 0 || id >= a->P) {
+        memcpy(out, k, (size_t)D * sizeof *out);
+        return 1;
+    }
+    rope_row(k, (const float *)a->rcos + id * (D / 2), (const float *)a->rsin + id * (D / 2), D, out);
+    return 0;
+}
+
+/* Dequantize history rows t0 .. t0 + n - 1 (storage positions) of stream st at (b, h) into out[n][D] (mf: the
+   stream's minifloat_of, deq_run_table's); with `ra` (rope=pre keys: the call's Args; 0 otherwise), each row is
+   dequantized into a row on the stack and rotated from there into out at its position id ids[i] (rope_at, while
+   the row is in registers or L1), and the rows outside the rope table are counted (returned; else 0). The run's
    indices advance row by row (block, plane, row within the plane; per-channel parameters reloaded as a group
    starts), so no row pays an integer division. */
-static inline __attribute__((always_inline)) void history_rows_dg(const Stream *st, int64_t b, int64_t h, int64_t t0,
-                                                                   int64_t n, int64_t D, int64_t G,
-                                                                   float *restrict out) {
+static inline __attribute__((always_inline)) int64_t history_rows_dg(const Stream *st, int mf, const Args *ra,
+                                                                      const int32_t *ids, int64_t b, int64_t h,
+                                                                      int64_t t0, int64_t n, int64_t D, int64_t G,
+                                                                      float *restrict out) {
     const int64_t m = st->m, nb = st->nb, u = KVQ_BLOCK / m;
     const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
     const uint16_t *zp = st->zero ? (const uint16_t *)st->zero + b * st->pb + h * st->ph : 0;
     const float *table = (const float *)st->table;  /* 0 for int (then zp is never 0: checked in Python) */
+    float small[16] = {0};  /* a table of <= 16 entries, zero-padded to 16 (deq_run_table's contract) */
+    if (table && st->bits <= 4) {
+        memcpy(small, table, sizeof(float) << st->bits);
+        table = small;
+    }
     const uint8_t *codes = (const uint8_t *)st->codes + b * st->cb + h * st->ch;
     const int64_t plane = m * st->cr;
     const unsigned mask = (1u << st->bits) - 1u;
     int64_t blk = t0 / KVQ_BLOCK, k = (t0 % KVQ_BLOCK) / m, rr = (t0 % KVQ_BLOCK) % m;
     int64_t g_end = 0;  /* per-channel groups: the first row after the loaded group */
-    float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D];
+    float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D], krow[KVQ_MAX_D];
+    int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = t0 + i;
         const uint8_t *row = codes + (blk * nb * m + rr) * st->cr;
         const unsigned shift = (unsigned)(st->bits * k);
-        float *restrict o = out + i * D;
+        float *restrict o = ra ? krow : out + i * D;
         if (st->token_axis) {  /* D/G groups of G channels, one scale (and zero point) each */
             for (int64_t g = 0; g < D / G; g++) {
                 const float s = half_to_float(sc[t * st->pt + g]), z = zp ? half_to_float(zp[t * st->pt + g]) : 0.0f;
                 if (table)
-                    deq_run_table(o + g * G, row + g * G, plane, nb, shift, mask, table, &s, zp ? &z : 0, 0, G);
+                    deq_run_table(o + g * G, row + g * G, plane, nb, shift, mask, table, mf, &s, zp ? &z : 0, 0, G);
                 else
                     deq_run(o + g * G, row + g * G, plane, nb, shift, mask, &s, &z, 0, G);
             }
@@ -220,10 +337,11 @@ static inline __attribute__((always_inline)) void history_rows_dg(const Stream *
                     for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[g * st->pt + d]);
             }
             if (table)
-                deq_run_table(o, row, plane, nb, shift, mask, table, sbuf, zp ? zbuf : 0, 1, D);
+                deq_run_table(o, row, plane, nb, shift, mask, table, mf, sbuf, zp ? zbuf : 0, 1, D);
             else
                 deq_run(o, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
         }
+        if (ra) bad += rope_at(ra, ids[i], krow, D, out + i * D);
         if (++rr == m) {  /* next row of the block: the next plane row, then the next field, then the next block */
             rr = 0;
             if (++k == u) {
@@ -232,18 +350,19 @@ static inline __attribute__((always_inline)) void history_rows_dg(const Stream *
             }
         }
     }
+    return bad;
 }
 
 /* history_rows_dg with the head size and group size as constants for the common shapes (64 / 128 channels, groups
    of 32 / 64 / 128), so the compiler unrolls the dequantization loops; any other shape takes the general loops. */
-static void history_rows(const Stream *st, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t D,
-                         float *restrict out) {
+static int64_t history_rows(const Stream *st, int mf, const Args *ra, const int32_t *ids, int64_t b, int64_t h,
+                            int64_t t0, int64_t n, int64_t D, float *restrict out) {
     const int64_t G = st->group;
 #define KVQ_SHAPE(d, g) \
-    if (D == d && G == g) return history_rows_dg(st, b, h, t0, n, d, g, out);
+    if (D == d && G == g) return history_rows_dg(st, mf, ra, ids, b, h, t0, n, d, g, out);
     KVQ_SHAPE(64, 32) KVQ_SHAPE(64, 64) KVQ_SHAPE(128, 32) KVQ_SHAPE(128, 64) KVQ_SHAPE(128, 128)
 #undef KVQ_SHAPE
-    history_rows_dg(st, b, h, t0, n, D, G, out);
+    return history_rows_dg(st, mf, ra, ids, b, h, t0, n, D, G, out);
 }
 
 /* Row `i` (element offset) of an exact buffer in the model's dtype: fp32 in place, fp16 / bf16 converted into buf
@@ -261,65 +380,47 @@ static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64
     return buf;
 }
 
-/* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
-   (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. */
-static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, int64_t D,
-                            float *restrict out) {
-    const int64_t h = D / 2;
-    for (int64_t i = 0; i < h; i++) {
-        out[i] = k[i] * c[i] - k[i + h] * s[i];
-        out[i + h] = k[i + h] * c[i] + k[i] * s[i];
-    }
-}
-
 /* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
    tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
-   rows are dequantized (a run of consecutive rows at once), fp16 / bf16 rows converted, and, with `tmp` (keys under
-   rope=pre; 0 otherwise), history and window rows rotated at their position ids, into slot i of buf ([pb - pa][D];
-   with tmp, rows are dequantized or converted into the same slot of tmp first and rotated from there into buf). Returns the
-   rows whose position id is outside the rope table (their rows are left unrotated; the call's result is refused). */
-static int64_t fill_rows(const Args *a, const Stream *st, int64_t b, int64_t h, int64_t pa, int64_t pb, int64_t pad,
-                         float *restrict buf, float *restrict tmp, const float **rows) {
+   rows are dequantized (a run of consecutive rows at once) and fp16 / bf16 rows converted into slot i of buf
+   ([pb - pa][D]); with `rope` (keys under rope=pre), history and window rows are rotated at their position ids into
+   their slot (history rows as they are dequantized, history_rows; window rows from a converted or in-place row).
+   Returns the rows whose position id is outside the rope table (their rows are left unrotated; the call's result is
+   refused). */
+static int64_t fill_rows(const Args *a, const Stream *st, int mf, int64_t b, int64_t h, int64_t pa, int64_t pb,
+                         int64_t pad, float *restrict buf, int rope, const float **rows) {
     const int64_t D = a->D, xdt = st->xdt;
     const int64_t start = st->starts ? ((const int64_t *)st->starts)[b] : a->s;
     const int64_t count = st->counts ? ((const int64_t *)st->counts)[b] : st->n;
-    const float *rcos = (const float *)a->rcos, *rsin = (const float *)a->rsin;
-    const int rope = tmp != 0;
     const int32_t *pos = rope ? (const int32_t *)a->pos + b * a->pb : 0;
     int64_t bad = 0;
+    float wrow[KVQ_MAX_D];  /* rope: a window row converted before its rotation */
     for (int64_t p = pa; p < pb;) {
         const int64_t i = p - pa, j = p - pad;
-        float *slot = buf + i * D, *dst = rope ? tmp + i * D : slot;  /* dst: where rows are first written */
+        float *slot = buf + i * D;
         if (j < a->s) {  /* a sink: exact, as the model made it (post-RoPE) */
             rows[i] = exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, xdt, D, slot);
             p++;
             continue;
         }
         const int64_t t = p - start;
-        int64_t n = 1;
-        int window = 1;
-        if (t < count) {  /* a run of history rows, dequantized at once */
-            n = (start + count < pb ? start + count : pb) - p;
-            history_rows(st, b, h, t, n, D, dst);
-            for (int64_t k = 0; k < n; k++) rows[i + k] = dst + k * D;
-            window = 0;
+        if (t < count) {  /* a run of history rows, dequantized (and rotated) at once */
+            const int64_t n = (start + count < pb ? start + count : pb) - p;
+            bad += history_rows(st, mf, rope ? a : 0, pos ? pos + p : 0, b, h, t, n, D, slot);
+            for (int64_t k = 0; k < n; k++) rows[i + k] = slot + k * D;
+            p += n;
+            continue;
+        }
+        const int64_t w = b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt;
+        if (rope) {  /* a pre-RoPE window key, rotated at its position id */
+            bad += rope_at(a, pos[p], exact_row(st->win, w, xdt, D, wrow), D, slot);
+            /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path
+               re-rotates the window (`rotate` returns the key's dtype), so both attend to the same keys */
+            if (xdt) round_to(slot, xdt, D);
+            rows[i] = slot;
         } else
-            rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, dst);
-        if (rope)  /* pre-RoPE keys (history and window): rotated at their position ids */
-            for (int64_t k = 0; k < n; k++) {
-                const int64_t id = pos[p + k];
-                if (id < 0 || id >= a->P) {  /* outside the table: counted, and the call's result is refused */
-                    bad++;
-                    continue;
-                }
-                float *out = buf + (i + k) * D;
-                rope_row(rows[i + k], rcos + id * (D / 2), rsin + id * (D / 2), D, out);
-                /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path
-                   re-rotates the window (`rotate` returns the key's dtype), so both attend to the same keys */
-                if (xdt && window) round_to(out, xdt, D);
-                rows[i + k] = out;
-            }
-        p += n;
+            rows[i] = exact_row(st->win, w, xdt, D, slot);
+        p++;
     }
     return bad;
 }
@@ -421,14 +522,15 @@ static inline void weighted_sum(float *restrict acc, const float *restrict w, co
 
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
    chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). Rows are read in
-   sub-blocks of KVQ_SUB_FLOATS / D positions (fill_rows), so dequantized rows stay in the L1 cache. */
-static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int64_t p1, float scaling,
-                            float *restrict part) {
+   sub-blocks of KVQ_SUB_FLOATS / D positions (fill_rows), so dequantized rows stay in the L1 cache. mf: the keys'
+   and values' minifloat_of. */
+static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h, int64_t p0, int64_t p1,
+                            float scaling, float *restrict part) {
     int64_t bad = 0;  /* position ids outside the rope table */
     const int64_t D = a->D, r = a->Hq / a->Hkv, T = p1 - p0;
     const int64_t sub = KVQ_SUB_FLOATS / D < KVQ_MAX_CHUNK ? KVQ_SUB_FLOATS / D : KVQ_MAX_CHUNK;
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
-    float buf[KVQ_SUB_FLOATS], tmp[KVQ_SUB_FLOATS];  /* tmp: rope=pre keys before their rotation */
+    float buf[KVQ_SUB_FLOATS];
     const float *rows[KVQ_MAX_CHUNK];
     const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
@@ -438,7 +540,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
         for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = -INFINITY;
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
-        bad += fill_rows(a, &a->k, b, h, pa, pb, pad, buf, a->rcos ? tmp : 0, rows);
+        bad += fill_rows(a, &a->k, mf[0], b, h, pa, pb, pad, buf, a->rcos != 0, rows);
         for (int64_t p = pa; p < pb; p++) {
             for (int64_t i = 0; i < r; i++)
                 sc[i * T + (p - p0)] = dot(q + i * a->qh, rows[p - pa], D) * scaling + (mask ? mask[p] : 0.0f);
@@ -456,7 +558,7 @@ static int64_t attend_chunk(const Args *a, int64_t b, int64_t h, int64_t p0, int
     }
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
-        fill_rows(a, &a->v, b, h, pa, pb, pad, buf, 0, rows);
+        fill_rows(a, &a->v, mf[1], b, h, pa, pb, pad, buf, 0, rows);
         for (int64_t i = 0; i < r; i++)
             weighted_sum(part + i * (D + 2) + 2, sc + i * T + (pa - p0), rows, pb - pa, D);
     }
@@ -472,11 +574,16 @@ int64_t kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
     const int64_t tasks = a->B * a->Hkv * C;
     float *partial = (float *)a->partial;
     int64_t bad = 0;
+#if KVQ_AVX2
+    const int mf[2] = {minifloat_of(&a->k), minifloat_of(&a->v)};
+#else
+    const int mf[2] = {0, 0};
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1) reduction(+ : bad)
     for (int64_t i = 0; i < tasks; i++) {
         const int64_t bh = i / C, c = i % C;
         const int64_t p0 = c * a->chunk, p1 = p0 + a->chunk < a->N ? p0 + a->chunk : a->N;
-        bad += attend_chunk(a, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
+        bad += attend_chunk(a, mf, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
     }
     if (bad) return bad;
     for (int64_t bq = 0; bq < a->B * a->Hq; bq++) {

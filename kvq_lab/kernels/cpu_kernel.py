@@ -81,7 +81,8 @@ def _cpu_id() -> str:
 
 
 def _flags() -> list[str]:
-    """FLAGS plus `$KVQ_KERNEL_CFLAGS` (e.g. `-DKVQ_PORTABLE` for the plain-C fp16 conversion)."""
+    """FLAGS plus `$KVQ_KERNEL_CFLAGS` (e.g. `-DKVQ_PORTABLE`: plain C only, the fp16 conversion and the table
+    formats' lookups without x86 intrinsics)."""
     return FLAGS + os.environ.get("KVQ_KERNEL_CFLAGS", "").split()
 
 
