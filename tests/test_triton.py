@@ -333,7 +333,9 @@ def test_padded_rows_in_the_kernel_match_attention_over_the_padded_cache(case):
     K, V = layer.materialize()
     valid = torch.cat([real, torch.ones(B, N - L, dtype=torch.bool)], 1)[:, None, None, :].to(DEV)  # [B, 1, 1, N]
     additive = torch.where(valid, torch.randn(B, 1, 1, N, generator=g).to(DEV), float("-inf"))
-    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    # bf16: `materialize` rounds the re-rotated history to the model's dtype, the kernel attends to it in fp32
+    # (as the PyTorch path does): up to ~1.2e-2 apart here
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
     for mask in (valid, additive):
         assert tk.supports(view, q, mask)
         got = tk.decode_attention(view, q, mask, scale, chunk=chunk)
@@ -380,27 +382,6 @@ def test_what_the_kernel_refuses():
             tk._check_rope_ids = real
     else:
         assert tk.decode_attention(bad, q, None, 0.125).isnan().all()
-
-
-def test_window_keys_round_to_bf16_as_torch():
-    """A rotated rope=pre window key of a bf16 model is rounded to bf16 as `.to(torch.bfloat16)` does (to nearest,
-    ties to even; inf stays inf), on the bit pattern: the interpreter's own cast truncates."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def round_bf16(x_ptr, o_ptr, n: tl.constexpr):
-        i = tl.arange(0, n)
-        tl.store(o_ptr + i, tk._round_to(tl.load(x_ptr + i), 2))
-
-    g = torch.Generator().manual_seed(3)
-    ties = (torch.arange(1, 9, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)  # halfway between two bf16
-    special = torch.tensor([0.0, -0.0, 1e-40, -1e-40, float("inf"), float("-inf"), 3.3e38, -1.0 - 2**-9])
-    x = torch.cat([torch.randn(1024 - 16, generator=g) * 3, ties, special]).to(DEV)
-    out = torch.empty_like(x)
-    round_bf16[(1,)](x, out, n=1024)
-    assert torch.equal(out, x.bfloat16().float())
-    assert not torch.equal(out, (x.view(torch.int32) & -65536).view(torch.float32))  # truncation would fail
 
 
 @pytest.mark.slow  # ~20 s of CPU under the interpreter (the quantize kernels run every step too)

@@ -8,11 +8,11 @@ Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (a
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
 query q M (q M · k M = q · k); values stored as v M give the output (A v) M, mapped back with M^T. Once per decode
 step each, whatever the cache length. rope_pre alone on the keys, with a backend that reads `rope` (the CPU and
-Triton kernels), is undone in the kernel: the view carries the codes and a cos/sin table, and each key row is rotated
-at its position as it is read. Left-padded batches reach the kernel too where the backend reads per-row layouts
-(`rows`); where it cannot take a step (a mask per query head, say), the layer's K/V are materialized for the model's
-SDPA. Any other pipeline that does not fold comes undone in the layer's view (history dequantized and re-rotated),
-which only the PyTorch path reads.
+Triton kernels), is undone in the kernel: the view carries the codes and a cos/sin table, and each history key row is
+rotated at its position as it is read (the window is kept as the model made it). Left-padded batches reach the
+kernel too where the backend reads per-row layouts (`rows`); where it cannot take a step (a mask per query head,
+say), the layer's K/V are materialized for the model's SDPA. Any other pipeline that does not fold comes undone in
+the layer's view (history dequantized and re-rotated), which only the PyTorch path reads.
 """
 
 from __future__ import annotations

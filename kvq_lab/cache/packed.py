@@ -43,16 +43,18 @@ repeat_kv). Nothing dequantized outlives the step; `nbytes()` counts only what i
 (another attention implementation, or a cache built directly), `update` returns dequantized K/V and the model's
 attention runs as usual.
 
-Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the streams hold the transformed
-tokens, T(x) for every token after the sinks (history and window alike), as the quantizer must see them; sinks stay
-exact. Reading undoes T: `materialize` inverts every stream position (history after dequantization, window as
-stored). On fused decode steps, a pipeline that folds into attention (hadamard: an orthogonal map of the head dim)
-is not undone at all: `kvq_sdpa` maps the query with T and the output back with T^-1 around the kernel, which reads
-the stored codes and window as they are and this step's sinks mapped into T's basis. A pipeline that does not fold
-(rope_pre: position-dependent) comes undone in the view (history dequantized and re-rotated at its positions, window
-re-rotated), which only the PyTorch path reads; except rope_pre alone on the keys with a backend that rotates keys
-itself (`Backend.features` has `rope`: the CPU and Triton kernels): its view carries the pre-RoPE codes and window
-with a `RopeView` (a cos/sin table shared by the model's layers, `rope_table`, and the layer's position ids).
+Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the quantizer sees T(x) for every token
+after the sinks; sinks stay exact. A pipeline that folds into attention (hadamard: an orthogonal map of the head dim)
+is applied as tokens arrive, so the window holds T(x) too: on fused decode steps it is not undone at all, `kvq_sdpa`
+maps the query with T and the output back with T^-1 around the kernel, which reads the stored codes and window as
+they are and this step's sinks mapped into T's basis; `materialize` inverts every stream position. A pipeline that
+does not fold (rope_pre: position-dependent) is applied as tokens are quantized (the streams' `encode`, a window or
+prompt at once): the window holds the tokens as the model made them, exact and read as they are, and only the
+history is undone, dequantized and re-rotated at its positions, in the view the PyTorch path reads; except rope_pre
+alone on the keys with a backend that rotates keys itself (`Backend.features` has `rope`: the CPU and Triton
+kernels): its view carries the pre-RoPE codes with a `RopeView` (a cos/sin table shared by the model's layers,
+`rope_table`, and the layer's position ids), and the kernel rotates each history key at its position. Decode steps
+then pay no transform per token: the rotations happen once per window flush, on the quantizer's side.
 
 Roles: this module is the layer (what is stored where, per step); `store` holds the bits, `streams` the
 per-axis streaming policies, `backends` the kernels' selection, `attention` the routing.
@@ -122,6 +124,9 @@ class PackedLayer(QuantizedLayerBase):
         R, S = cfg.residual_length, cfg.sink_tokens
         self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"))
         self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"))
+        for stream, pipe in ((self.k_stream, self.k_pipe), (self.v_stream, self.v_pipe)):
+            if pipe is not None and not pipe.foldable:  # applied as tokens are quantized (the module docstring)
+                stream.encode = self._encoder(pipe)
         self._pos: torch.Tensor | None = None  # position ids [B, N] (int32), kept for position-dependent transforms
         self._pos_top = -1  # the largest of them (the rope table must cover it)
 
@@ -148,15 +153,13 @@ class PackedLayer(QuantizedLayerBase):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.check_finite(key_states, value_states)
-        pos = None
         if self.positional:
             ids, top = step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device)  # once per forward
             self._pos = ids if self._pos is None else torch.cat([self._pos, ids], 1)
             self._pos_top = max(self._pos_top, top)
-            pos = self.positions(key_states, ids)
-        # what the streams store: the tokens as the quantizers see them (the transforms applied)
-        tk = key_states if self.k_pipe is None else self.k_pipe.forward(key_states, pos)
-        tv = value_states if self.v_pipe is None else self.v_pipe.forward(value_states, pos)
+        # what the streams store: foldable transforms applied now, the others as tokens are quantized (`encode`)
+        tk = key_states if self.k_pipe is None or not self.k_pipe.foldable else self.k_pipe.forward(key_states)
+        tv = value_states if self.v_pipe is None or not self.v_pipe.foldable else self.v_pipe.forward(value_states)
         if not (self.k_stream.quantized or self.v_stream.quantized):  # 16 bits: DynamicCache (bitwise, untransformed)
             self.k_stream.step(tk, self.N, self.pads, None)
             self.v_stream.step(tv, self.N, self.pads, None)
@@ -205,6 +208,18 @@ class PackedLayer(QuantizedLayerBase):
         self.v_stream.step(tv, N, self.pads, owns)
 
     # -- views ---------------------------------------------------------------------------------------------------
+    def _encoder(self, pipe):
+        """A stream's `encode` for an unfoldable pipeline: pipe applied to tokens [B, H, n, D] at absolute cache
+        positions [B, n]."""
+
+        def encode(x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
+            if not pipe.positional:
+                return pipe.forward(x)
+            ids = self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long()
+            return pipe.forward(x, self.positions(x, ids))
+
+        return encode
+
     def _undo(self, pipe, x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
         """Undo `pipe` on stored tokens x [B, H, n, D] at absolute cache positions abs_pos [B, n] (fp32 in, fp32
         out; the model's dtype in, the model's dtype out)."""
@@ -265,11 +280,8 @@ class PackedLayer(QuantizedLayerBase):
             # are its own first tokens, all S of them mapped)
             s = min(self.cfg.sink_tokens, N) if self.uniform else self.cfg.sink_tokens
             return stream.view(N, pipe.forward(sink[:, :, :s]) if s else sink, self.pads, None)
-        # undone for the PyTorch path: the history as it is dequantized (the stream calls back), then the window
-        sv = stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
-        win = sv.window[:, :, sv.window.shape[2] - sv.w :]
-        a = torch.arange(N - sv.w, N, device=win.device).expand(win.shape[0], sv.w)
-        return sv._replace(window=self._undo(pipe, win, a))
+        # undone for the PyTorch path: the history as it is dequantized (the stream calls back); the window is exact
+        return stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full K, V [B, H, N, D] in the model's dtype: sinks exact, history dequantized, window exact, transforms
@@ -277,9 +289,10 @@ class PackedLayer(QuantizedLayerBase):
         return self._read(self.k_stream, self.sink_k, self.k_pipe), self._read(self.v_stream, self.sink_v, self.v_pipe)
 
     def _read(self, stream, sink, pipe) -> torch.Tensor:
+        if pipe is None or not pipe.foldable:  # the history undone as it is dequantized; sinks and window exact
+            undo = None if pipe is None else lambda x, a: self._undo(pipe, x, a)
+            return stream.materialize(self.N, sink, self.pads, undo)
         x = stream.materialize(self.N, sink, self.pads, None)
-        if pipe is None:
-            return x
         B, N, S = x.shape[0], self.N, self.cfg.sink_tokens
         a = torch.arange(N, device=x.device).expand(B, N)
         if not stream.quantized:  # an exact stream holds every position, its sinks included

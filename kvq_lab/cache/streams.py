@@ -11,8 +11,10 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     quantized                    whether the stream stores codes (False: the exact 16-bit stream)
 
 `rotate(x, abs_pos)` undoes the layer's transforms that cannot be folded into attention (`rope_pre`: re-rotates
-pre-RoPE keys) on stored tokens [B, H, n, D] at absolute positions [B, n]; None when there are none. Sinks are the
-layer's; streams hold the tokens after them.
+pre-RoPE keys) on stored tokens [B, H, n, D] at absolute positions [B, n]; None when there are none. A stream's
+`encode(x, abs_pos)`, when the layer sets one, applies those transforms: the stream holds its window as the model made
+it (exact, nothing to undo when read) and encodes tokens only as they are quantized, the whole batch's window (or
+prompt) at once. Sinks are the layer's; streams hold the tokens after them.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class _QuantizedStream(ABC):
         self.spec, self.S = spec, S
         self.store = PackedStore(spec, backend)
         self.window: torch.Tensor | None = None
+        self.encode: Rotate = None  # the layer's unfoldable transforms, applied as tokens are quantized
+
+    def _encoded(self, x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
+        """x [B, H, n, D] at absolute positions [B, n] as the quantizer sees it (`encode` applied, if any)."""
+        return x if self.encode is None else self.encode(x, abs_pos)
 
     def _init_store(self, x: torch.Tensor) -> None:
         B, H, _, D = x.shape
@@ -168,7 +175,8 @@ class SlidingStream(_QuantizedStream):
         N = x.shape[2]
         q = self.n_quantized(N)
         if q:
-            self.store.write(x[:, :, self.S : self.S + q], 0, self._valid(0, q, pads, x.device))
+            hist = self._encoded(x[:, :, self.S : self.S + q], self.slot_positions(q, pads, x.device))
+            self.store.write(hist, 0, self._valid(0, q, pads, x.device))
         self.done = q
         self.window = _last(x, self.R)
 
@@ -185,7 +193,8 @@ class SlidingStream(_QuantizedStream):
         t = N - self.R - self.S  # storage position of the token leaving the window
         if t >= self.done:
             k = min(BLOCK - t % BLOCK, self.R + 1)  # up to the end of its block, from what has arrived
-            self.store.write(both[:, :, :k], t, self._valid(t, k, pads, x.device))
+            a = torch.arange(N - self.R, N - self.R + k, device=x.device).expand(x.shape[0], k)
+            self.store.write(self._encoded(both[:, :, :k], a), t, self._valid(t, k, pads, x.device))
             self.done = t + k
         if self.R:
             self.window = both[:, :, 1:]
@@ -224,11 +233,13 @@ class FillStream(_QuantizedStream):
         self.q, self.w = f, [e - k for e, k in zip(ell, f, strict=True)]
         if max(f) and all(p == pads[0] for p in pads):
             s0 = pads[0] + S
-            self.store.write(x[:, :, s0 : s0 + f[0]], 0)
-        else:
+            a = torch.arange(s0, s0 + f[0], device=x.device).expand(B, f[0])
+            self.store.write(self._encoded(x[:, :, s0 : s0 + f[0]], a), 0)
+        elif max(f):
+            tx = self._encoded(x, torch.arange(N, device=x.device).expand(B, N))
             for b, (p, k) in enumerate(zip(pads, f, strict=True)):  # ragged rows: one write per row (prefill only)
                 if k:
-                    self.store.write(x[b : b + 1, :, p + S : p + S + k], 0, rows=slice(b, b + 1))
+                    self.store.write(tx[b : b + 1, :, p + S : p + S + k], 0, rows=slice(b, b + 1))
         self.window = _last(x, Rp)
 
     def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None) -> None:
@@ -239,11 +250,13 @@ class FillStream(_QuantizedStream):
         full = [b for b, w in enumerate(self.w) if w == self.Rp]
         if not full:
             return
+        B, Rp = x.shape[0], self.Rp
+        win = self._encoded(self.window, torch.arange(N + 1 - Rp, N + 1, device=x.device).expand(B, Rp))
         if len(full) == len(self.w) and all(k == self.q[0] for k in self.q):
-            self.store.write(self.window, self.q[0])
+            self.store.write(win, self.q[0])
         else:
             for b in full:  # rows flush at different steps in a ragged batch: once per Rp steps per row
-                self.store.write(self.window[b : b + 1], self.q[b], rows=slice(b, b + 1))
+                self.store.write(win[b : b + 1], self.q[b], rows=slice(b, b + 1))
         for b in full:
             self.q[b] += self.Rp
             self.w[b] = 0

@@ -35,13 +35,14 @@ weight 0), then its own sinks (j = p - pads[b] < s), then its stream positions; 
 absolute position p is p - starts[b], history while below counts[b], else the window row of p. Without padding,
 pads = 0, starts = s and counts = n for every row, the layout this kernel had before.
 
-rope=pre (keys quantized before RoPE, KVQuant): history and window keys are stored pre-RoPE; each key row after the
-sinks is rotated at its position id just before its dot products (`rope_row`; history rows one by one as they are
-dequantized, from a row on the stack still in L1, not from a dequantized sub-block), from a shared table of the model's
-cos/sin at every position id ([P, D/2], the halves of transformers' duplicated cos/sin), in the reference's order
-of operations: k*cos + rotate_half(k)*sin, two products and one sum per element, no fma. A table read, not a sincos
-per row: the same values the PyTorch path rotates with (it reads the same table), and no transcendental per row
-(measured in experiments/cache_speed/README.md). Sinks are exact post-RoPE keys, read as they are.
+rope=pre (keys quantized before RoPE, KVQuant): history keys are stored pre-RoPE; each history key row is rotated at
+its position id just before its dot products (`rope_row`; one by one as they are dequantized, from a row on the stack
+still in L1, not from a dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P,
+D/2], the halves of transformers' duplicated cos/sin), in the reference's order of operations: k*cos +
+rotate_half(k)*sin, two products and one sum per element, no fma. A table read, not a sincos per row: the same values
+the PyTorch path rotates with (it reads the same table), and no transcendental per row (measured in
+experiments/cache_speed/README.md). Sinks and window keys are exact post-RoPE keys, as the model made them (the cache
+applies rope_pre to a window only when it quantizes it), read as they are.
 */
 #include <math.h>
 #include <stdint.h>
@@ -105,46 +106,6 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 #endif
-
-/* fp32 -> fp16 bits, round to nearest even (F. Giesen's float_to_half_fast3_rtne: subnormals by an fp32 add of a
-   magic number, which the FPU rounds to nearest even; overflow to inf; NaN stays NaN). */
-static inline uint16_t float_to_half(float f) {
-    uint32_t u, sign;
-    memcpy(&u, &f, sizeof u);
-    sign = u & 0x80000000u;
-    u ^= sign;
-    uint16_t o;
-    if (u >= (127u + 16u) << 23) /* >= 65536 (or inf, NaN): inf or NaN */
-        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
-    else if (u < 113u << 23) { /* below fp16's normal range: subnormal or zero */
-        const uint32_t magic_u = ((127u - 15u) + (23u - 10u) + 1u) << 23;
-        float x, magic;
-        memcpy(&x, &u, sizeof x);
-        memcpy(&magic, &magic_u, sizeof magic);
-        x += magic;
-        memcpy(&u, &x, sizeof u);
-        o = (uint16_t)(u - magic_u);
-    } else {
-        const uint32_t odd = (u >> 13) & 1u;
-        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
-        o = (uint16_t)(u >> 13);
-    }
-    return o | (uint16_t)(sign >> 16);
-}
-
-/* x rounded to the model's dtype (1 fp16, 2 bf16: round to nearest even, as PyTorch's .to(dtype)) and back. */
-static inline void round_to(float *restrict x, int64_t xdt, int64_t D) {
-    if (xdt == 1)
-        for (int64_t d = 0; d < D; d++) x[d] = half_to_float(float_to_half(x[d]));
-    else if (xdt == 2)
-        for (int64_t d = 0; d < D; d++) {
-            uint32_t u;
-            memcpy(&u, x + d, sizeof u);
-            if ((u & 0x7f800000u) != 0x7f800000u) u += 0x7fffu + ((u >> 16) & 1u); /* finite: RNE on 16 bits */
-            u &= 0xffff0000u;
-            memcpy(x + d, &u, sizeof u);
-        }
-}
 
 /* out[d] = code(d) * s[d] + z[d] for d < n, codes `shift` bits up in the words of `row` (nb bytes each, byte j
    `plane` bytes below byte 0); s and z either per channel (ds = 1) or one value for all n channels (ds = 0). */
@@ -383,10 +344,9 @@ static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64
 /* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
    tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
    rows are dequantized (a run of consecutive rows at once) and fp16 / bf16 rows converted into slot i of buf
-   ([pb - pa][D]); with `rope` (keys under rope=pre), history and window rows are rotated at their position ids into
-   their slot (history rows as they are dequantized, history_rows; window rows from a converted or in-place row).
-   Returns the rows whose position id is outside the rope table (their rows are left unrotated; the call's result is
-   refused). */
+   ([pb - pa][D]); with `rope` (keys under rope=pre), history rows are rotated at their position ids as they are
+   dequantized (history_rows); sinks and window rows are post-RoPE already. Returns the rows whose position id is
+   outside the rope table (their rows are left unrotated; the call's result is refused). */
 static int64_t fill_rows(const Args *a, const Stream *st, int mf, int64_t b, int64_t h, int64_t pa, int64_t pb,
                          int64_t pad, float *restrict buf, int rope, const float **rows) {
     const int64_t D = a->D, xdt = st->xdt;
@@ -394,7 +354,6 @@ static int64_t fill_rows(const Args *a, const Stream *st, int mf, int64_t b, int
     const int64_t count = st->counts ? ((const int64_t *)st->counts)[b] : st->n;
     const int32_t *pos = rope ? (const int32_t *)a->pos + b * a->pb : 0;
     int64_t bad = 0;
-    float wrow[KVQ_MAX_D];  /* rope: a window row converted before its rotation */
     for (int64_t p = pa; p < pb;) {
         const int64_t i = p - pa, j = p - pad;
         float *slot = buf + i * D;
@@ -411,15 +370,7 @@ static int64_t fill_rows(const Args *a, const Stream *st, int mf, int64_t b, int
             p += n;
             continue;
         }
-        const int64_t w = b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt;
-        if (rope) {  /* a pre-RoPE window key, rotated at its position id */
-            bad += rope_at(a, pos[p], exact_row(st->win, w, xdt, D, wrow), D, slot);
-            /* a window key in an fp16 / bf16 model is rounded to its dtype once rotated, as the PyTorch path
-               re-rotates the window (`rotate` returns the key's dtype), so both attend to the same keys */
-            if (xdt) round_to(slot, xdt, D);
-            rows[i] = slot;
-        } else
-            rows[i] = exact_row(st->win, w, xdt, D, slot);
+        rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, slot);
         p++;
     }
     return bad;

@@ -357,12 +357,12 @@ def dequantize_packed(packed, scale, zero, spec: QuantSpec, length: int, dtype=t
 #     t = p - start < count   history, storage position t: table[code] * scale (+ zero), two roundings (no fma)
 #     else                    window row W - (N - p) of the window buffer, the model's dtype
 # (start, count) = (starts[b], counts[b]) of the stream with `rows`, (s, n) without: keys and values split apart.
-# rope=pre: history and window keys are stored pre-RoPE; each is rotated at its position id pos[b, p] from the fp32
-# table rows c = cos[id], s = sin[id] ([D/2]) in rotate_half's pairing, the reference's order of operations:
+# rope=pre: history keys are stored pre-RoPE (sinks and window as the model made them, post-RoPE); each history key
+# is rotated at its position id pos[b, p] from the fp32 table rows c = cos[id], s = sin[id] ([D/2]) in rotate_half's
+# pairing, the reference's order of operations:
 #     k[i] = k[i] * c[i] - k[i + D/2] * s[i],   k[i + D/2] = k[i + D/2] * c[i] + k[i] * s[i]
-# so keys are read as their two halves. A rotated window key of an fp16 / bf16 model is rounded to that dtype (round
-# to nearest even), as the PyTorch path re-rotates the window in the model's dtype. An id outside [0, P) poisons the
-# row (NaN score: the output is NaN, never a silent wrong answer; the launcher refuses such ids on CPU tensors).
+# so keys are read as their two halves. An id outside [0, P) poisons the row (NaN score: the output is NaN, never a
+# silent wrong answer; the launcher refuses such ids on CPU tensors).
 
 
 @triton.jit
@@ -392,21 +392,6 @@ def _fp_rows(ptr, st, idx, ok, d):
 
 
 @triton.jit
-def _round_to(x, XDT: tl.constexpr):
-    """x (fp32) rounded to the model's dtype (0 fp32: as is, 1 fp16, 2 bf16; round to nearest even) and back. bf16 on
-    the bit pattern, as the C kernel: TRITON_INTERPRET's `.to(tl.bfloat16)` truncates (measured, triton 3.9)."""
-    if XDT == 1:
-        return x.to(tl.float16).to(tl.float32)
-    elif XDT == 2:
-        u = x.to(tl.uint32, bitcast=True)
-        finite = (u & 0x7F800000) != 0x7F800000
-        u = tl.where(finite, u + (0x7FFF + ((u >> 16) & 1)), u)  # round the low 16 bits to nearest even
-        return (u & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        return x
-
-
-@triton.jit
 def _decode_attn_kernel(
     q_ptr, sqb_, sqh_,  # query fp32 [B, Hq, (1,) D], pre-scaled: rows at q + b * sqb_ + head * sqh_
     o_ptr, sob, soh,  # output fp32 [B, Hq, D] (one chunk), or
@@ -426,7 +411,7 @@ def _decode_attn_kernel(
     Hkv, R, N, s, CH,  # s: sink positions present; CH: positions per program (a multiple of TT)
     D: tl.constexpr, H2: tl.constexpr, RP: tl.constexpr, TT: tl.constexpr, BLK: tl.constexpr,
     KG: tl.constexpr, KBITS: tl.constexpr, KNB: tl.constexpr, KM: tl.constexpr, K_TOKEN: tl.constexpr,
-    K_TABLE: tl.constexpr, K_ZERO: tl.constexpr, KXDT: tl.constexpr,
+    K_TABLE: tl.constexpr, K_ZERO: tl.constexpr,
     VG: tl.constexpr, VBITS: tl.constexpr, VNB: tl.constexpr, VM: tl.constexpr, V_TOKEN: tl.constexpr,
     V_TABLE: tl.constexpr, V_ZERO: tl.constexpr,
     ROWS: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, SPLIT: tl.constexpr,
@@ -490,19 +475,17 @@ def _decode_attn_kernel(
                          K_TABLE, K_ZERO)  # fmt: skip
         x_lo += _fp_rows(kwin, kwt, krow, k_win, dl)
         x_hi += _fp_rows(kwin, kwt, krow, k_win, dh)
-        if ROPE:  # rotate history and window keys at their position ids; sinks are post-RoPE already
-            ids = tl.load(pos_ptr + b * spb_ + p, mask=rest, other=0)
+        if ROPE:  # rotate history keys at their position ids; sinks and window are post-RoPE already
+            ids = tl.load(pos_ptr + b * spb_ + p, mask=k_hist, other=0)
             in_table = (ids >= 0) & (ids < P)
-            t_ok = rest & in_table
+            t_ok = k_hist & in_table
             c = tl.load(rc_ptr + ids[:, None] * H2 + dl[None, :], mask=t_ok[:, None], other=0.0)
             sn = tl.load(rs_ptr + ids[:, None] * H2 + dl[None, :], mask=t_ok[:, None], other=0.0)
-            c = tl.where((rest & ~in_table)[:, None], float("nan"), c)  # outside the table: poison the row
+            c = tl.where((k_hist & ~in_table)[:, None], float("nan"), c)  # outside the table: poison the row
             r_lo = x_lo * c - x_hi * sn
             r_hi = x_hi * c + x_lo * sn
-            r_lo = tl.where(k_win[:, None], _round_to(r_lo, KXDT), r_lo)
-            r_hi = tl.where(k_win[:, None], _round_to(r_hi, KXDT), r_hi)
-            k_lo = tl.where(sink[:, None], s_lo, r_lo)
-            k_hi = tl.where(sink[:, None], s_hi, r_hi)
+            k_lo = tl.where(k_hist[:, None], r_lo, s_lo + x_lo)
+            k_hi = tl.where(k_hist[:, None], r_hi, s_hi + x_hi)
         else:
             k_lo = s_lo + x_lo
             k_hi = s_hi + x_hi
@@ -614,11 +597,15 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor:
 def _check_rope_ids(view: DecodeView) -> None:
     """CPU tensors (the interpreter): refuse rope=pre key rows whose position id is outside the table, as the C
     kernel does (on CUDA the kernel poisons such rows with NaN instead: reading the ids back would sync every step)."""
-    rope, N = view.rope, view.N
+    rope, N, ks = view.rope, view.N, view.keys
     B = rope.pos.shape[0]
-    j = torch.arange(N)[None] - (0 if view.pads is None else view.pads[:, None])
+    a = torch.arange(N)[None]
+    s = min(view.sink_tokens, N)
+    j = a - (0 if view.pads is None else view.pads[:, None])
+    t = a - (s if ks.starts is None else ks.starts[:, None])  # storage position: history below n (counts[b])
+    hist = (j >= s) & (t >= 0) & (t < (ks.n if ks.counts is None else ks.counts[:, None]))  # the rows rotated
     ids = rope.pos[:, :N]
-    bad = int((((ids < 0) | (ids >= rope.cos.shape[0])) & (j >= min(view.sink_tokens, N))).expand(B, N).sum())
+    bad = int((((ids < 0) | (ids >= rope.cos.shape[0])) & hist).expand(B, N).sum())
     if bad:
         raise ValueError(
             f"{bad} rope=pre key rows have position ids outside the RopeView table [0, {rope.cos.shape[0]}): "
@@ -718,7 +705,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         Hkv, R, N, min(view.sink_tokens, N), chunk,
         D=D, H2=D // 2, RP=RP, TT=tile, BLK=BLOCK,
         KG=kc["G"], KBITS=kc["BITS"], KNB=kc["NB"], KM=kc["M"], K_TOKEN=kc["TOKEN"], K_TABLE=kc["TABLE"],
-        K_ZERO=kc["ZERO"], KXDT=XDTS[ks.window.dtype],
+        K_ZERO=kc["ZERO"],
         VG=vc["G"], VBITS=vc["BITS"], VNB=vc["NB"], VM=vc["M"], V_TOKEN=vc["TOKEN"], V_TABLE=vc["TABLE"],
         V_ZERO=vc["ZERO"],
         ROWS=view.pads is not None, ROPE=rope is not None, HAS_MASK=mask is not None, SPLIT=C > 1,

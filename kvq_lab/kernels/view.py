@@ -13,9 +13,9 @@ Positions of one tensor (keys or values) of a batch without padding, with S = `s
 Every position is in exactly one segment. Keys and values split differently (their windows differ).
 
 Two extensions, each None unless the layer's backend declares it reads them (`Backend.features`):
-    rope   (`RopeView`) rope=pre keys: history and window keys are stored pre-RoPE, as codes and as the window
-           holds them; the kernel rotates each key row at its position id (`transformers` Llama's `rotate_half`
-           convention) from a shared cos/sin table. Sinks are exact post-RoPE keys and are read as they are.
+    rope   (`RopeView`) rope=pre keys: the history's keys are quantized pre-RoPE; the kernel rotates each history
+           key row at its position id (`transformers` Llama's `rotate_half` convention) from a shared cos/sin
+           table. Sinks and window are exact post-RoPE keys, as the model made them, and are read as they are.
     pads   left-padded batches: row b has `pads[b]` padding positions first (never attended), then its own sinks
            (`sink[b, :, j]` is its real token j < S), then its stream positions; a stream's storage position t of
            row b is absolute position `StreamView.starts[b] + t`, history while t < `StreamView.counts[b]`, and
@@ -67,8 +67,8 @@ class StreamView(NamedTuple):
 
 
 class RopeView(NamedTuple):
-    """rope=pre keys for a kernel that rotates them itself: key row at cache position p of batch row b (after its
-    sinks) is rotated by the angle of position id `pos[b, p]`:
+    """rope=pre keys for a kernel that rotates them itself: history key row at cache position p of batch row b is
+    rotated by the angle of position id `pos[b, p]` (sinks and window rows are post-RoPE already):
         k[i]       = k_pre[i] * cos[i] - k_pre[i + D/2] * sin[i]
         k[i + D/2] = k_pre[i + D/2] * cos[i] + k_pre[i] * sin[i]          (i < D/2)
     which is `k_pre * cos + rotate_half(k_pre) * sin` with the model's duplicated halves of cos/sin.
