@@ -220,7 +220,7 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
     path (same results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt
     without it, `kvq_lab.cache.attention` does)."""
-    return _supports(view, query) and (mask is None or _additive_mask(mask, query.shape[0], view.N) is not False)
+    return _supports(view, query) and _mask_ok(mask, query.shape[0])
 
 
 def _supports(view: DecodeView, query: torch.Tensor) -> bool:
@@ -242,15 +242,19 @@ def _supports(view: DecodeView, query: torch.Tensor) -> bool:
     )
 
 
+def _mask_ok(mask, B: int) -> bool:
+    """No mask, or SDPA's [B or 1, 1, 1, N'] mask shared by the query heads (a shape check: nothing is built)."""
+    return mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[0] in (1, B))
+
+
 def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
     """[B, N] fp32 additive mask from SDPA's [B or 1, 1, 1, >= N] bool or float mask (None: no mask; False: a mask
     the kernel cannot take, one that differs between query heads)."""
     if mask is None:
         return None
-    mask = mask[..., -N:]
-    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or mask.shape[0] not in (1, B):
+    if not _mask_ok(mask, B):
         return False
-    mask = mask.expand(B, 1, 1, N)
+    mask = mask[..., -N:].expand(B, 1, 1, N)
     if mask.dtype == torch.bool:
         return torch.zeros(B, N).masked_fill_(~mask.reshape(B, N), float("-inf"))
     return mask.reshape(B, N).float().contiguous()
