@@ -5,14 +5,17 @@ kv head's query heads over sinks | packed history | fp window, a softmax partial
 of the values; then the chunks are combined (flash-decoding). A task reads its positions in sub-blocks of 32 KB of
 rows (`fill_rows`): runs of history rows are unpacked and dequantized straight from the packed bytes (`history_rows`:
 indices advanced row by row, no integer division per row; parameters converted from fp16 once per row for per-token
-groups, once per group of rows for per-channel groups), exact fp32 rows are read in place; then the dot products
-(`dot`), and for values the weighted sum with 32 outputs held in registers across the sub-block (`weighted_sum`).
-Nothing of the cache's size is ever written, so the step's memory traffic is the packed bytes, not a dequantized copy
-of K and V. Sums keep their order (each output element adds its rows in position order, each score its 16 partial
-sums in a fixed fold), so a restructuring of the loops changes no bit of the output (checked against the previous
-version on SmolLM2's cache, experiments/cache_speed/README.md). The dequantized values are bit for bit those of
-the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `table[code] * scale + zero` with two roundings, so the
-build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only in fp32 rounding order.
+groups, once per group of rows for per-channel groups), exact fp32 rows are read in place; then the dot products,
+four rows per query head in one loop (`dot4`: eight independent add chains, the folds done four at a time with
+vector shuffles; `dot` for the rows left over), the sums of exps of the query heads interleaved (`sums_of`), and for
+values the weighted sum with 64 outputs held in registers across the sub-block (`weighted_sum`). Nothing of the
+cache's size is ever written, so the step's memory traffic is the packed bytes, not a dequantized copy of K and V.
+Sums keep their order (each output element adds its rows in position order, each score its 16 partial sums in a
+fixed fold, each sum of exps its positions in order), so a restructuring of the loops changes no bit of the output
+(checked against the previous version on SmolLM2's cache, experiments/cache_speed/README.md). The dequantized
+values are bit for bit those of the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `table[code] * scale +
+zero` with two roundings, so the build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only in
+fp32 rounding order.
 
 Code formats (kvq_lab/quant/formats): every format dequantizes as `table[code] * scale + zero`, with an fp32 table of
 2^bits entries and no zero point for some formats (fp8: `table[code] * scale`). A stream without a table is `int`,
@@ -402,6 +405,65 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return (acc[0] + acc[2]) + (acc[1] + acc[3]) + tail;
 }
 
+/* dot(q, rows[k], D) for k < 4, bit for bit (each dot's own 16 partial sums, products and fold order), the four
+   computed in one loop: eight independent add chains instead of two, and q loaded once for the four rows. The folds
+   are done four at a time with vector shuffles: lane k of (unpacklo + unpackhi) then (movelh + movehl) is
+   (acc[0] + acc[2]) + (acc[1] + acc[3]) of row k, the scalar fold's additions in its order. out[k] = dot(..) *
+   scaling + add[k] (add: the mask's four values, or NULL for none: + 0.0f, as attend_chunk adds). */
+static inline void dot4(const float *restrict q, const float *const *rows, int64_t D, float scaling,
+                        const float *add, float *restrict out) {
+    const float *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+    v8f l0 = {0}, h0 = {0}, l1 = {0}, h1 = {0}, l2 = {0}, h2 = {0}, l3 = {0}, h3 = {0};
+    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        const v8f ql = load8(q + d), qh = load8(q + d + 8);
+        l0 += ql * load8(r0 + d);
+        h0 += qh * load8(r0 + d + 8);
+        l1 += ql * load8(r1 + d);
+        h1 += qh * load8(r1 + d + 8);
+        l2 += ql * load8(r2 + d);
+        h2 += qh * load8(r2 + d + 8);
+        l3 += ql * load8(r3 + d);
+        h3 += qh * load8(r3 + d + 8);
+    }
+    for (; d < D; d++) {
+        t[0] += q[d] * r0[d];
+        t[1] += q[d] * r1[d];
+        t[2] += q[d] * r2[d];
+        t[3] += q[d] * r3[d];
+    }
+#if KVQ_AVX2
+    __m256 x0, x1, x2, x3;
+    const v8f s0 = l0 + h0, s1 = l1 + h1, s2 = l2 + h2, s3 = l3 + h3;
+    memcpy(&x0, &s0, 32);
+    memcpy(&x1, &s1, 32);
+    memcpy(&x2, &s2, 32);
+    memcpy(&x3, &s3, 32);
+    /* y_k[j] = acc[j] + acc[j + 4] of row k (j < 4) */
+    const __m128 y0 = _mm_add_ps(_mm256_castps256_ps128(x0), _mm256_extractf128_ps(x0, 1));
+    const __m128 y1 = _mm_add_ps(_mm256_castps256_ps128(x1), _mm256_extractf128_ps(x1, 1));
+    const __m128 y2 = _mm_add_ps(_mm256_castps256_ps128(x2), _mm256_extractf128_ps(x2, 1));
+    const __m128 y3 = _mm_add_ps(_mm256_castps256_ps128(x3), _mm256_extractf128_ps(x3, 1));
+    /* [y0[0] + y0[2], y1[0] + y1[2], y0[1] + y0[3], y1[1] + y1[3]], and the same for rows 2, 3 */
+    const __m128 a01 = _mm_add_ps(_mm_unpacklo_ps(y0, y1), _mm_unpackhi_ps(y0, y1));
+    const __m128 a23 = _mm_add_ps(_mm_unpacklo_ps(y2, y3), _mm_unpackhi_ps(y2, y3));
+    __m128 v = _mm_add_ps(_mm_movelh_ps(a01, a23), _mm_movehl_ps(a23, a01));
+    v = _mm_add_ps(v, _mm_loadu_ps(t));
+    v = _mm_mul_ps(v, _mm_set1_ps(scaling));
+    v = _mm_add_ps(v, add ? _mm_loadu_ps(add) : _mm_setzero_ps());
+    _mm_storeu_ps(out, v);
+#else
+    const v8f s[4] = {l0 + h0, l1 + h1, l2 + h2, l3 + h3};
+    for (int k = 0; k < 4; k++) {
+        float acc[8];
+        store8(acc, s[k]);
+        for (int j = 0; j < 4; j++) acc[j] += acc[j + 4];
+        out[k] = ((acc[0] + acc[2]) + (acc[1] + acc[3]) + t[k]) * scaling + (add ? add[k] : 0.0f);
+    }
+#endif
+}
+
 /* exp(x) for x <= 0, vectorisable: 2^n * P(r), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite split of ln2),
    P the degree-7 Taylor polynomial (relative error ~1e-7); x < -87 (below fp32's normal range) gives 0. */
 static inline float exp_neg(float x) {
@@ -439,11 +501,66 @@ static void exp_shifted(float *restrict s, int64_t T, float shift) {
     for (int64_t t = 0; t < T; t++) s[t] = exp_neg(s[t] - shift);
 }
 
+/* out[j] = s[j * T + 0] + s[j * T + 1] + ... + s[j * T + T - 1], added in t order from 0.0f, for the k <= 4 rows
+   j < k of s: each a serial chain of T additions, so the k chains are interleaved in one loop. */
+static inline void sums_of(const float *restrict s, int64_t T, int64_t k, float *restrict out) {
+    const float *s0 = s, *s1 = s + T, *s2 = s + 2 * T, *s3 = s + 3 * T;
+    float x0 = 0.0f, x1 = 0.0f, x2 = 0.0f, x3 = 0.0f;
+    if (k == 4)
+        for (int64_t t = 0; t < T; t++) {
+            x0 += s0[t];
+            x1 += s1[t];
+            x2 += s2[t];
+            x3 += s3[t];
+        }
+    else if (k == 3)
+        for (int64_t t = 0; t < T; t++) {
+            x0 += s0[t];
+            x1 += s1[t];
+            x2 += s2[t];
+        }
+    else if (k == 2)
+        for (int64_t t = 0; t < T; t++) {
+            x0 += s0[t];
+            x1 += s1[t];
+        }
+    else
+        for (int64_t t = 0; t < T; t++) x0 += s0[t];
+    out[0] = x0;
+    out[1] = x1;
+    out[2] = x2;
+    out[3] = x3;
+}
+
 /* acc[d] += w[i] * rows[i][d] over the n rows, in row order (each output element's sum stays sequential, as a
-   row-at-a-time loop adds it), with 32 output elements held in registers across the rows. */
+   row-at-a-time loop adds it), with 64 (then 32, 8, 1) output elements held in registers across the rows. */
 static inline void weighted_sum(float *restrict acc, const float *restrict w, const float *const *rows, int64_t n,
                                 int64_t D) {
     int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) {  /* 64 outputs: eight add chains per row instead of four */
+        v8f a0 = load8(acc + d0), a1 = load8(acc + d0 + 8), a2 = load8(acc + d0 + 16), a3 = load8(acc + d0 + 24);
+        v8f a4 = load8(acc + d0 + 32), a5 = load8(acc + d0 + 40), a6 = load8(acc + d0 + 48), a7 = load8(acc + d0 + 56);
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = rows[i] + d0;
+            const float wi = w[i];
+            a0 += wi * load8(v);
+            a1 += wi * load8(v + 8);
+            a2 += wi * load8(v + 16);
+            a3 += wi * load8(v + 24);
+            a4 += wi * load8(v + 32);
+            a5 += wi * load8(v + 40);
+            a6 += wi * load8(v + 48);
+            a7 += wi * load8(v + 56);
+        }
+        store8(acc + d0, a0);
+        store8(acc + d0 + 8, a1);
+        store8(acc + d0 + 16, a2);
+        store8(acc + d0 + 24, a3);
+        store8(acc + d0 + 32, a4);
+        store8(acc + d0 + 40, a5);
+        store8(acc + d0 + 48, a6);
+        store8(acc + d0 + 56, a7);
+    }
     for (; d0 + 32 <= D; d0 += 32) {
         v8f a0 = load8(acc + d0), a1 = load8(acc + d0 + 8), a2 = load8(acc + d0 + 16), a3 = load8(acc + d0 + 24);
         for (int64_t i = 0; i < n; i++) {
@@ -492,20 +609,28 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
         bad += fill_rows(a, &a->k, mf[0], b, h, pa, pb, pad, buf, a->rcos != 0, rows);
-        for (int64_t p = pa; p < pb; p++) {
+        int64_t p = pa;
+        for (; p + 4 <= pb; p += 4)  /* four rows at a time, each query head's four scores in one loop */
+            for (int64_t i = 0; i < r; i++)
+                dot4(q + i * a->qh, rows + (p - pa), D, scaling, mask ? mask + p : 0, sc + i * T + (p - p0));
+        for (; p < pb; p++) {
             for (int64_t i = 0; i < r; i++)
                 sc[i * T + (p - p0)] = dot(q + i * a->qh, rows[p - pa], D) * scaling + (mask ? mask[p] : 0.0f);
         }
     }
     for (int64_t i = 0; i < r; i++) {
-        float *s = sc + i * T, mx = max_of(s, T), sum = 0.0f;
+        float *s = sc + i * T, mx = max_of(s, T);
         const float shift = mx == -INFINITY ? 0.0f : mx;  /* every position masked: weights 0 */
         exp_shifted(s, T, shift);
-        for (int64_t t = 0; t < T; t++) sum += s[t];
         float *pi = part + i * (D + 2);
         pi[0] = mx;
-        pi[1] = sum;
         for (int64_t d = 0; d < D; d++) pi[2 + d] = 0.0f;
+    }
+    for (int64_t i = 0; i < r; i += 4) {  /* the sums of exps, up to four query heads' chains at a time */
+        const int64_t k = r - i < 4 ? r - i : 4;
+        float sums[4];
+        sums_of(sc + i * T, T, k, sums);
+        for (int64_t j = 0; j < k; j++) part[(i + j) * (D + 2) + 1] = sums[j];
     }
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
