@@ -69,6 +69,14 @@ def test_kernel_matches_the_pytorch_path(case):
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
 
 
+def portable_build(monkeypatch, tmp_path) -> None:
+    """Make the next kernel call build and load `-DKVQ_PORTABLE` (plain C, no x86 intrinsics) into tmp_path."""
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
+    monkeypatch.setattr(cpu_kernel, "_LIB", None)
+    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+
+
 def test_portable_build_matches(monkeypatch, tmp_path):
     """The plain-C fp16 conversion (what a CPU without F16C, or a build without -march=native, uses) gives the
     same outputs as the default build: fp16 -> fp32 is exact both ways, subnormals and negative zero included."""
@@ -79,10 +87,7 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     layer.update(k, v)
     q = torch.randn(1, 4, 1, 64)
     default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
-    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    portable_build(monkeypatch, tmp_path)
     portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     assert len(list(tmp_path.glob("cpu_kernel-*.so"))) == 1
     assert torch.equal(portable, default)
@@ -107,10 +112,7 @@ def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, va
     q = torch.randn(1, 4, 1, 64, generator=g)
     assert cpu_kernel.supports(layer.decode_view(), q) and layer.k_stream.n_quantized(150) > 0
     default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
-    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    portable_build(monkeypatch, tmp_path)
     portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     assert torch.equal(portable, default)
     torch.testing.assert_close(default, decode_attention_torch(layer.decode_view(), q, None, 0.125), rtol=1e-4,
