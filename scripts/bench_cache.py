@@ -28,7 +28,9 @@ fp16 K/V cache. For ours packed, "arith" is the size the storage arithmetic pred
 quantized elements at the format's code bits + 16 bits per stored parameter per group of G (int: scale and zero;
 fp8: scale), sinks and the fixed R-token windows at the model dtype's size, and rope=pre's position ids (int32).
 
-`--json PATH` writes {"rows": [...]}, one object per cache, setting and prompt length, with the keys
+`--json PATH` writes {"rows": [...], "code": ..., "argv": [...]}: the package's code version
+(`kvq_lab.provenance.code_version`), the command's arguments, and one object per cache, setting and prompt length,
+with the keys
     kind      dynamic | ours_packed | ours_simulated | ours_recompute | quanto | hqq
     label     the row's name in the tables          backend  auto's choice, torch, ... (null: not ours)
     rope      post | pre                            dtype    float32 | bfloat16 (the model's)
@@ -45,6 +47,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ from transformers import DynamicCache, QuantizedCache
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
 from kvq_lab.models import cache_kwarg, load_model
+from kvq_lab.provenance import code_version
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 
@@ -343,7 +347,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps({"rows": rows_out}, indent=1) + "\n")
+        record = {"rows": rows_out, "code": code_version(), "argv": list(argv if argv is not None else sys.argv[1:])}
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(args.json)  # atomic: a reader never sees half a file
         print(f"\nwrote {len(rows_out)} rows to {args.json}")
     return rows_out

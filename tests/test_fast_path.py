@@ -288,9 +288,9 @@ BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "l
 
 
 def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]}, the issue's keys exactly, every setting's
-    DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a left-padded batch of 4, fp8), and the
-    storage arithmetic within a few percent of what our packed caches hold."""
+    """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]} with the code version and the arguments, the
+    issue's keys exactly, every setting's DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a
+    left-padded batch of 4, fp8), and the storage arithmetic within a few percent of what our packed caches hold."""
     import importlib.util
     import json
     import sys
@@ -306,7 +306,10 @@ def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
             "--recompute-rank", "64", "--json", str(out)]  # fmt: skip
     returned = bench.main(args)
     data = json.loads(out.read_text())
-    assert set(data) == {"rows"} and data["rows"] == returned
+    assert set(data) == {"rows", "code", "argv"} and data["rows"] == returned and data["argv"] == args
+    from kvq_lab.provenance import code_version
+
+    assert data["code"] == code_version()
     rows = data["rows"]
     assert all(set(r) == BENCH_KEYS for r in rows)
     kinds = {r["kind"] for r in rows}
