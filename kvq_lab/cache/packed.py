@@ -211,22 +211,19 @@ class PackedLayer(QuantizedLayerBase):
     def _encoder(self, pipe):
         """A stream's `encode` for an unfoldable pipeline: pipe applied to tokens [B, H, n, D] at absolute cache
         positions [B, n]."""
-
-        def encode(x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
-            if not pipe.positional:
-                return pipe.forward(x)
-            ids = self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long()
-            return pipe.forward(x, self.positions(x, ids))
-
-        return encode
+        return lambda x, abs_pos: pipe.forward(x, self._positions_at(pipe, x, abs_pos))
 
     def _undo(self, pipe, x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
         """Undo `pipe` on stored tokens x [B, H, n, D] at absolute cache positions abs_pos [B, n] (fp32 in, fp32
         out; the model's dtype in, the model's dtype out)."""
+        return pipe.inverse(x, self._positions_at(pipe, x, abs_pos))
+
+    def _positions_at(self, pipe, x: torch.Tensor, abs_pos: torch.Tensor):
+        """What a positional `pipe` reads for tokens x at absolute cache positions [B, n] (their position ids' RoPE),
+        or None for a pipeline that reads no positions."""
         if not pipe.positional:
-            return pipe.inverse(x)
-        ids = self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long()
-        return pipe.inverse(x, self.positions(x, ids))
+            return None
+        return self.positions(x, self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long())
 
     def decode_view(self) -> DecodeView:
         """Both streams quantized: the stored segments as plain tensors for the kernels, with the extensions this
