@@ -11,8 +11,9 @@ step each, whatever the cache length. rope_pre alone on the keys, with a backend
 Triton kernels), is undone in the kernel: the view carries the codes and a cos/sin table, and each history key row is
 rotated at its position as it is read (the window is kept as the model made it). Left-padded batches reach the
 kernel too where the backend reads per-row layouts (`rows`); where it cannot take a step (a mask per query head,
-say), the layer's K/V are materialized for the model's SDPA. Any other pipeline that does not fold comes undone in
-the layer's view (history dequantized and re-rotated), which only the PyTorch path reads.
+say: it raises `Unsupported` before any work), the layer's K/V are materialized for the model's SDPA. Any other
+pipeline that does not fold comes undone in the layer's view (history dequantized and re-rotated), which only the
+PyTorch path reads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvq_lab.kernels.torch_path import decode_attention_torch
+from kvq_lab.kernels.view import Unsupported
 
 ATTN_NAME = "kvq_sdpa"
 
@@ -65,20 +67,20 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     kp, vp = layer.k_pipe, layer.v_pipe
     view = layer.decode_view()  # with the extensions the layer's backend reads (`Backend.features`)
-    backend = layer.backend
-    if (view.rope is not None or view.pads is not None) and not backend.supports(view, query, attention_mask):
-        if view.pads is not None:  # a padded batch the kernel cannot take here: the model's SDPA over full K/V
+    # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
+    undone = view.keys.history is not None or view.values.history is not None
+    fused = decode_attention_torch if undone else layer.backend.decode_attention
+    q = kp.fold_query(query) if kp is not None and kp.foldable else query  # keys stored as k M: q M · k M = q · k
+    try:
+        out = fused(view, q, attention_mask, scaling)  # [B, 1, Hq, D]
+    except Unsupported:  # a view with `rope` or `pads` the kernel cannot take with this query or mask (checked first)
+        if view.pads is not None:  # a padded batch: the model's SDPA over full K/V
             k, v = layer.materialize()
             return sdpa_attention_forward(
                 module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history instead
-    # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
-    undone = view.keys.history is not None or view.values.history is not None
-    fused = decode_attention_torch if undone else backend.decode_attention
-    if kp is not None and kp.foldable:
-        query = kp.fold_query(query)  # keys are stored as k M: q M · k M = q · k
-    out = fused(view, query, attention_mask, scaling)  # [B, 1, Hq, D]
+        out = decode_attention_torch(view, q, attention_mask, scaling)
     if vp is not None and vp.foldable:
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None

@@ -5,9 +5,12 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
     dequantize(codes, scale, zero, spec, n)     fp32 [B, H, n, D] of storage positions [0, n)
     decode_attention(view, query, mask, scaling)  one decode step over a `DecodeView` -> [B, 1, Hq, D]
     features                                    the `DecodeView` extensions its decode_attention reads (`rope`:
-                                                rope=pre keys rotated in the kernel; `rows`: left-padded batches)
-    supports(view, query, mask)                 whether decode_attention takes this view, query and mask (a view
-                                                with an extension it cannot take is rebuilt without it)
+                                                rope=pre keys rotated in the kernel; `rows`: left-padded batches);
+                                                it raises `kvq_lab.kernels.view.Unsupported` for a view with one
+                                                that it cannot take with this query or mask (the caller rebuilds
+                                                the view without it)
+    all_finite(*tensors)                        whether no element is NaN or inf (the layer's check of each new
+                                                key and value, every step)
 
 `torch` is the pure-PyTorch path; `cpu` adds the C decode-attention kernel (quantization and storage are torch's,
 so the bits are the same); `triton` quantizes, packs, dequantizes and attends with the Triton kernels, imported only
@@ -28,7 +31,7 @@ from typing import Protocol
 import torch
 
 from kvq_lab.kernels import cpu_kernel
-from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups, unpack_dequantize
+from kvq_lab.kernels.torch_path import all_finite, decode_attention_torch, quantize_whole_groups, unpack_dequantize
 from kvq_lab.quant.reference import code_format, quantize
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
@@ -39,10 +42,10 @@ class Backend(Protocol):
     name: str
     features: frozenset[str]
 
-    def supports(self, view, query, mask) -> bool: ...
     def write(self, store, x, t0, valid, rows) -> None: ...
     def dequantize(self, codes, scale, zero, spec, n) -> torch.Tensor: ...
     def decode_attention(self, view, query, mask, scaling) -> torch.Tensor: ...
+    def all_finite(self, *tensors) -> bool: ...
 
 
 class TorchBackend:
@@ -51,11 +54,6 @@ class TorchBackend:
 
     name = "torch"
     features: frozenset[str] = frozenset()
-
-    @staticmethod
-    def supports(view, query, mask) -> bool:
-        # rope=pre keys only as a dequantized, rotated history (`view.keys.history`); padded batches materialized
-        return view.rope is None and view.pads is None
 
     @staticmethod
     def quantize(x, spec, valid):
@@ -74,6 +72,7 @@ class TorchBackend:
 
     dequantize = staticmethod(unpack_dequantize)
     decode_attention = staticmethod(decode_attention_torch)
+    all_finite = staticmethod(all_finite)
 
 
 class CpuBackend(TorchBackend):
@@ -84,13 +83,11 @@ class CpuBackend(TorchBackend):
     features = frozenset({"rope", "rows"})
 
     @staticmethod
-    def supports(view, query, mask) -> bool:
-        return cpu_kernel.supports(view, query, mask)
-
-    @staticmethod
     def decode_attention(view, query, mask, scaling):
         # looked up at call time, so a test can wrap the kernel and count the calls
         return cpu_kernel.decode_attention(view, query, mask, scaling)
+
+    all_finite = staticmethod(cpu_kernel.all_finite)
 
 
 class TritonBackend:
@@ -99,12 +96,6 @@ class TritonBackend:
 
     name = "triton"
     features = frozenset({"rope", "rows"})
-
-    @staticmethod
-    def supports(view, query, mask) -> bool:
-        from kvq_lab.kernels import triton_kernels as tk
-
-        return tk.supports(view, query, mask)
 
     @staticmethod
     def write(store, x, t0, valid, rows):
@@ -127,6 +118,8 @@ class TritonBackend:
         from kvq_lab.kernels import triton_kernels as tk
 
         return tk.decode_attention(view, query, mask, scaling)
+
+    all_finite = staticmethod(all_finite)
 
 
 _WARNED: set = set()

@@ -6,11 +6,10 @@ The registry imports none of its plugins: a layer module registers itself when i
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvq_lab.kernels.torch_path import all_finite
 from kvq_lab.quant.transforms import Pipeline, Positions
 
 from .config import CacheConfig
@@ -81,16 +80,17 @@ class QuantizedLayerBase(DynamicLayer):
         return self.positions(key_states, position_ids_from(kwargs, B, start, T, key_states.device))
 
     def check_finite(self, *tensors: torch.Tensor) -> None:
-        """NaN or inf in any of the tensors raises `NonFiniteError` naming this layer and step. One fp32 sum per
-        tensor (non-finite exactly when an element is, short of fp32 overflow, ~3e38) instead of an elementwise
-        pass: this runs for every layer at every decode step."""
+        """NaN or inf in any of the tensors raises `NonFiniteError` naming this layer and step (`all_finite`: this runs
+        for every layer at every decode step)."""
         self.steps += 1
-        for t in tensors:
-            if not math.isfinite(float(t.sum(dtype=torch.float32))):
-                raise NonFiniteError(
-                    f"non-finite value (NaN/inf) in the KV cache at layer {self.layer_idx}, step {self.steps - 1} "
-                    f"(cache {self.cfg.label()}); check the model dtype and the quantizer range"
-                )
+        if not self.all_finite(*tensors):
+            raise NonFiniteError(
+                f"non-finite value (NaN/inf) in the KV cache at layer {self.layer_idx}, step {self.steps - 1} "
+                f"(cache {self.cfg.label()}); check the model dtype and the quantizer range"
+            )
+
+    # whether no element is NaN or inf (PyTorch sums; a layer with a kernel backend takes the backend's check)
+    all_finite = staticmethod(all_finite)
 
     def prefix_boundary(self, n: int) -> int:
         """The largest m <= n such that what attention sees of a prompt's first m tokens, when this layer is given

@@ -238,6 +238,22 @@ static inline void rope_row(const float *restrict k, const float *restrict c, co
     }
 }
 
+/* deq_run (one byte per word, per-channel parameters) and rope_row in one pass: out = the dequantized row rotated by
+   the table rows c, sn of its position id. The same operations in the same order as the two (two roundings each
+   for the dequantization, two products and one sum for the rotation: bit for bit), without the row's round trip
+   through a buffer. */
+static inline void deq_rope_run(float *restrict out, const uint8_t *restrict row, unsigned shift, unsigned mask,
+                                const float *restrict s, const float *restrict z, const float *restrict c,
+                                const float *restrict sn, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = (float)((row[i] >> shift) & mask) * s[i] + z[i];
+        const float b = (float)((row[i + h] >> shift) & mask) * s[i + h] + z[i + h];
+        out[i] = a * c[i] - b * sn[i];
+        out[i + h] = b * c[i] + a * sn[i];
+    }
+}
+
 /* out = k rotated at position id `id` of the call's rope table (rope_row); an id outside the table leaves k as it is
    and returns 1 (counted: the call's result is refused), else 0. */
 static inline int64_t rope_at(const Args *a, int64_t id, const float *restrict k, int64_t D, float *restrict out) {
@@ -279,7 +295,7 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
         const int64_t t = t0 + i;
         const uint8_t *row = codes + (blk * nb * m + rr) * st->cr;
         const unsigned shift = (unsigned)(st->bits * k);
-        float *restrict o = ra ? krow : out + i * D;
+        float *o = ra ? krow : out + i * D;  /* 0 once the row is in out, rotated (deq_rope_run) */
         if (st->token_axis) {  /* D/G groups of G channels, one scale (and zero point) each */
             for (int64_t g = 0; g < D / G; g++) {
                 const float s = half_to_float(sc[t * st->pt + g]), z = zp ? half_to_float(zp[t * st->pt + g]) : 0.0f;
@@ -300,12 +316,17 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
                 else
                     for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[g * st->pt + d]);
             }
-            if (table)
+            if (ra && !table && nb == 1 && ids[i] >= 0 && ids[i] < ra->P) {  /* int codes of <= 8 bits: fused */
+                const int64_t id = ids[i];
+                deq_rope_run(out + i * D, row, shift, mask, sbuf, zbuf, (const float *)ra->rcos + id * (D / 2),
+                             (const float *)ra->rsin + id * (D / 2), D);
+                o = 0;
+            } else if (table)
                 deq_run_table(o, row, plane, nb, shift, mask, table, mf, sbuf, zp ? zbuf : 0, 1, D);
             else
                 deq_run(o, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
         }
-        if (ra) bad += rope_at(ra, ids[i], krow, D, out + i * D);
+        if (ra && o) bad += rope_at(ra, ids[i], krow, D, out + i * D);
         if (++rr == m) {  /* next row of the block: the next plane row, then the next field, then the next block */
             rr = 0;
             if (++k == u) {
@@ -639,6 +660,22 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
             weighted_sum(part + i * (D + 2) + 2, sc + i * T + (pa - p0), rows, pb - pa, D);
     }
     return bad;
+}
+
+/* Whether any of n contiguous elements at x (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`) is NaN or inf: its
+   exponent bits all set. Exact for every value, no arithmetic on them; one pass the compiler vectorises. The caches'
+   check of each new key and value (`all_finite`), one call per tensor instead of a sum and a conversion in PyTorch. */
+int64_t kvq_any_nonfinite(int64_t x, int64_t n, int64_t dtype) {
+    unsigned hit = 0;
+    if (dtype == 0) {
+        const uint32_t *p = (const uint32_t *)x;
+        for (int64_t i = 0; i < n; i++) hit |= (p[i] & 0x7f800000u) == 0x7f800000u;
+    } else {
+        const uint16_t e = dtype == 1 ? 0x7c00u : 0x7f80u;
+        const uint16_t *p = (const uint16_t *)x;
+        for (int64_t i = 0; i < n; i++) hit |= (uint16_t)(p[i] & e) == e;
+    }
+    return hit;
 }
 
 /* Tasks (b, kv head, chunk) over `threads` OpenMP threads, then the chunks of each query head combined. Built

@@ -37,8 +37,9 @@ import torch
 from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
 
+from . import torch_path
 from .torch_path import decode_attention_torch
-from .view import DecodeView, StreamView, check_codes_only
+from .view import DecodeView, StreamView, Unsupported, check_codes_only
 from .workspace import workspace
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
@@ -140,6 +141,8 @@ def _build_and_load() -> ctypes.CDLL:
         raise KernelBuildError(f"{so} does not match this kvq_lab version (argument block size); delete it")
     lib.kvq_decode_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
     lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
+    lib.kvq_any_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.kvq_any_nonfinite.restype = ctypes.c_int64
     return lib
 
 
@@ -150,6 +153,34 @@ def build_error() -> str | None:
     except KernelBuildError as e:
         return str(e)
     return None
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """`torch_path.all_finite`'s twin: whether no element is NaN or inf, read from the exponent bits in one native call
+    per dense fp32 / fp16 / bf16 CPU tensor (exact); other tensors are summed in PyTorch. The caches check every new
+    key and value with it, per layer and step: two PyTorch sums and conversions cost more there than the C call."""
+    fn = load().kvq_any_nonfinite
+    for t in tensors:
+        code = DTYPES.get(t.dtype)
+        if code is None or not t.is_cpu or not _dense(t):
+            if not torch_path.all_finite(t):
+                return False
+        elif fn(t.data_ptr(), t.numel(), code):
+            return False
+    return True
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """t's elements fill numel() consecutive slots from data_ptr() in some order (contiguous, or a permutation of it:
+    the projections' [B, n, H, D] outputs seen as [B, H, n, D])."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda p: p[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _stream_fields(sv: StreamView) -> list[int]:
@@ -218,8 +249,8 @@ def _pads_field(view: DecodeView, B: int) -> int:
 def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     """The kernel reads sinks and windows in an fp32, fp16 or bf16 model's dtype on the CPU, masks shared by the
     query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
-    path (same results: `decode_attention` falls back itself for a plain view; a view with `rope` must be rebuilt
-    without it, `kvq_lab.cache.attention` does)."""
+    path (same results: `decode_attention` falls back itself for a plain view and raises `Unsupported` for a view
+    with `rope` or `pads`, which `kvq_lab.cache.attention` rebuilds or materializes)."""
     return _supports(view, query) and _mask_ok(mask, query.shape[0])
 
 
@@ -269,9 +300,9 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     N = view.N
     add = _additive_mask(mask, B, N)  # built once: `supports` would build it again
     if add is False or not _supports(view, query):
-        if view.rope is not None:  # the PyTorch path reads rope=pre keys only as a dequantized, rotated history
-            raise ValueError(
-                "the CPU kernel cannot take this query or mask; rebuild the view without `rope` for "
+        if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
+            raise Unsupported(
+                "the CPU kernel cannot take this query or mask; rebuild the view without `rope` and `pads` for "
                 "torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)

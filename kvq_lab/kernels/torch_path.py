@@ -8,6 +8,8 @@ Every code format dequantizes as table[code] * scale + zero (`kvq_lab.quant.form
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -15,8 +17,14 @@ from kvq_lab.quant.pack import BLOCK, plane_shifts, unpack, word_layout
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 
-from .view import DecodeView, StreamView
+from .view import DecodeView, StreamView, Unsupported
 from .workspace import const, workspace
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether no element of the tensors is NaN or inf: one fp32 sum per tensor (non-finite exactly when an element
+    is, short of fp32 overflow, ~3e38) instead of an elementwise pass. Any device, any float dtype."""
+    return all(math.isfinite(float((t.detach() if t.requires_grad else t).sum(dtype=torch.float32))) for t in tensors)
 
 
 def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
@@ -78,6 +86,11 @@ def decode_attention_torch(view: DecodeView, query: torch.Tensor, mask, scaling:
     without repeating K/V). No decode step allocates anything of the cache's size: fresh multi-MB buffers cost
     more in page faults than the arithmetic that fills them.
     """
+    if view.rope is not None or view.pads is not None:
+        raise Unsupported(
+            "the PyTorch path reads neither `rope` (its keys come as a dequantized, rotated history) nor `pads` "
+            "(padded batches attend materialized K/V): rebuild the view without them"
+        )
     k = _assemble(view.keys, view.N, view.sink_tokens, "k")  # [B, Hkv, N, D] fp32
     v = _assemble(view.values, view.N, view.sink_tokens, "v")
     if mask is not None:

@@ -41,7 +41,7 @@ from kvq_lab.quant.reference import QTensor, code_format
 from kvq_lab.quant.spec import QuantSpec
 
 from .torch_path import decode_attention_torch
-from .view import DecodeView, check_codes_only
+from .view import DecodeView, Unsupported, check_codes_only
 from .workspace import const
 
 # dequantization and decode attention load table[code] for any fp32 table of 2^bits entries: every code format
@@ -642,7 +642,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     check_codes_only(view, "the Triton decode kernel")
     if not supports(view, query, mask):
         if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
-            raise ValueError(
+            raise Unsupported(
                 "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
                 "without `rope` and `pads` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
             )

@@ -96,6 +96,12 @@ class DecodeView(NamedTuple):
     pads: torch.Tensor | None = None
 
 
+class Unsupported(ValueError):
+    """A decode attention cannot take this view, query or mask as they are (an extension it does not read, a mask per
+    query head, a dtype): raised before any work, so the caller can rebuild the view or take another path
+    (`kvq_lab.cache.attention` does)."""
+
+
 def check_codes_only(view: DecodeView, kernel: str) -> None:
     """Kernels that read codes cannot apply a pre-dequantized history (rope=pre keys): fail rather than ignore it."""
     if view.keys.history is not None or view.values.history is not None:
