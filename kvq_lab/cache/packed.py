@@ -78,6 +78,7 @@ from .store import tensor_bytes
 from .streams import make_stream
 
 _ROPE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> (cos, sin) [P, D/2]
+POS_CHUNK = 256  # columns the position-id buffer grows by (`PackedLayer._keep_positions`)
 
 
 def rope_table(rotary_emb: torch.nn.Module, P: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -117,6 +118,7 @@ class PackedLayer(QuantizedLayerBase):
         self.backend = get_backend(cfg.backend, (cfg.key, cfg.value))  # formats a kernel cannot read: torch
         if cfg.outliers("key") is not None or cfg.outliers("value") is not None:
             self.backend = get_backend("torch")  # sparse outliers: the PyTorch path reads the dequantized history
+        self.all_finite = self.backend.all_finite  # the check of each new key and value: the backend's
         self.fused = False  # set by `prepare_model` when the model's attention is routed through kvq_sdpa
         self.N = 0
         self.pads: list[int] = []
@@ -127,8 +129,10 @@ class PackedLayer(QuantizedLayerBase):
         for stream, pipe in ((self.k_stream, self.k_pipe), (self.v_stream, self.v_pipe)):
             if pipe is not None and not pipe.foldable:  # applied as tokens are quantized (the module docstring)
                 stream.encode = self._encoder(pipe)
-        self._pos: torch.Tensor | None = None  # position ids [B, N] (int32), kept for position-dependent transforms
+        # position ids (int32) of cache positions [0, N) in the first N columns, kept for position-dependent transforms
+        self._pos: torch.Tensor | None = None
         self._pos_top = -1  # the largest of them (the rope table must cover it)
+        self._rope: RopeView | None = None  # the latest `_rope_view`
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @staticmethod
@@ -154,9 +158,7 @@ class PackedLayer(QuantizedLayerBase):
             self.lazy_initialization(key_states, value_states)
         self.check_finite(key_states, value_states)
         if self.positional:
-            ids, top = step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device)  # once per forward
-            self._pos = ids if self._pos is None else torch.cat([self._pos, ids], 1)
-            self._pos_top = max(self._pos_top, top)
+            self._keep_positions(*step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device))
         # what the streams store: foldable transforms applied now, the others as tokens are quantized (`encode`)
         tk = key_states if self.k_pipe is None or not self.k_pipe.foldable else self.k_pipe.forward(key_states)
         tv = value_states if self.v_pipe is None or not self.v_pipe.foldable else self.v_pipe.forward(value_states)
@@ -182,6 +184,18 @@ class PackedLayer(QuantizedLayerBase):
             handle = PackedKV(self)
             return handle, handle
         return self.materialize()
+
+    def _keep_positions(self, ids: torch.Tensor, top: int) -> None:
+        """Store this update's position ids [B, n] (largest: top) at cache positions [N, N + n) of `_pos`, a buffer
+        grown POS_CHUNK columns at a time: a decode step writes one column where a concatenation made a new tensor."""
+        N, n = self.N, ids.shape[1]
+        if self._pos is None or self._pos.shape[1] < N + n:
+            grown = ids.new_zeros(ids.shape[0], -(-(N + n) // POS_CHUNK) * POS_CHUNK)
+            if self._pos is not None:
+                grown[:, :N] = self._pos[:, :N]
+            self._pos = grown
+        self._pos[:, N : N + n] = ids
+        self._pos_top = max(self._pos_top, top)
 
     def _prefill(self, k, tk, v, tv):
         """k, v [B, H, N, D] as the model made them (the sinks' source); tk, tv: transformed, for the streams."""
@@ -258,14 +272,19 @@ class PackedLayer(QuantizedLayerBase):
 
     def _rope_view(self) -> RopeView | None:
         """Keys under rope_pre alone (values: no transform or a foldable one), a model whose RoPE tabulates: the
-        kernel rotates the pre-RoPE keys itself. None otherwise."""
+        kernel rotates the pre-RoPE keys itself. None otherwise. The latest view is given again while it holds: the
+        same position buffer, a table that covers every id in it."""
+        rv = self._rope
+        if rv is not None and rv.pos is self._pos and self._pos_top < rv.cos.shape[0]:
+            return rv
         kp, vp = self.k_pipe, self.v_pipe
         if kp is None or len(kp.transforms) != 1 or not isinstance(kp.transforms[0], RopePre) or self.rope is None:
             return None
         if vp is not None and not vp.foldable:
             return None
         table = rope_table(self.rope.rotary_emb, self._pos_top + 1, self.sink_k)
-        return None if table is None else RopeView(*table, self._pos)
+        self._rope = None if table is None else RopeView(*table, self._pos)
+        return self._rope
 
     def _stream_view(self, stream, sink, pipe):
         N = self.N

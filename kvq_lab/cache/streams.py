@@ -68,8 +68,22 @@ class _QuantizedStream(ABC):
     def __init__(self, spec: QuantSpec, S: int, backend):
         self.spec, self.S = spec, S
         self.store = PackedStore(spec, backend)
-        self.window: torch.Tensor | None = None
+        self._win: _Window | None = None  # the fp window (`window`), set at prefill
         self.encode: Rotate = None  # the layer's unfoldable transforms, applied as tokens are quantized
+
+    @property
+    def window(self) -> torch.Tensor | None:
+        """The fp window [B, H, W, D] (a view into its buffer, valid until the next step); None before prefill."""
+        return None if self._win is None else self._win.view
+
+    @window.setter
+    def window(self, x: torch.Tensor) -> None:
+        self._win = _Window(x)
+
+    @property
+    def window_slots(self) -> int:
+        """Rows the window's buffer holds: W plus `SPARE` (what `nbytes` counts)."""
+        return 0 if self._win is None else self._win.buf.shape[2]
 
     def _encoded(self, x: torch.Tensor, abs_pos: torch.Tensor) -> torch.Tensor:
         """x [B, H, n, D] at absolute positions [B, n] as the quantizer sees it (`encode` applied, if any)."""
@@ -145,7 +159,7 @@ class _QuantizedStream(ABC):
         return src.gather(2, idx[:, None, :, None].expand(B, H, N, D))
 
     def nbytes(self) -> int:
-        return self.store.nbytes() + tensor_bytes(self.window)
+        return self.store.nbytes() + (0 if self._win is None else tensor_bytes(self._win.buf))
 
 
 class SlidingStream(_QuantizedStream):
@@ -189,15 +203,13 @@ class SlidingStream(_QuantizedStream):
 
     def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None = None) -> None:
         """Append x [B, H, 1, D] at absolute position N (pads: p_b per row; owns: unused, rows share positions)."""
-        both = torch.cat([self.window, x], 2) if self.R else x  # absolute positions [N - R, N]
+        both = self._win.push(x) if self.R else x  # absolute positions [N - R, N]; the window is now its last R
         t = N - self.R - self.S  # storage position of the token leaving the window
         if t >= self.done:
             k = min(BLOCK - t % BLOCK, self.R + 1)  # up to the end of its block, from what has arrived
             a = torch.arange(N - self.R, N - self.R + k, device=x.device).expand(x.shape[0], k)
             self.store.write(self._encoded(both[:, :, :k], a), t, self._valid(t, k, pads, x.device))
             self.done = t + k
-        if self.R:
-            self.window = both[:, :, 1:]
 
     def _rows(self, N, pads):
         return [self.S] * len(pads), [self.n_quantized(N)] * len(pads)
@@ -244,7 +256,7 @@ class FillStream(_QuantizedStream):
 
     def step(self, x: torch.Tensor, N: int, pads: list[int], owns: list[bool] | None) -> None:
         """Append x [B, H, 1, D]; owns[b]: the token is a real non-sink token of row b (None: every row)."""
-        self.window = torch.cat([self.window, x], 2)[:, :, 1:]
+        self._win.push(x)
         for b in range(len(self.w)):
             self.w[b] += 1 if owns is None else owns[b]
         full = [b for b, w in enumerate(self.w) if w == self.Rp]
@@ -271,6 +283,43 @@ class FillStream(_QuantizedStream):
     def _slots(self, a, j, N):
         hidx = j - self.S
         return hidx, hidx < torch.tensor(self.q, device=a.device)[:, None]
+
+
+SPARE = 8  # rows a window buffer holds beyond the window (`_Window`)
+
+
+class _Window:
+    """A stream's fp window, the last n positions [B, H, n, D], advanced one position per step without a new tensor.
+
+    A buffer of n + SPARE rows holds the window as a view of n consecutive rows that moves down one row per step (the
+    new token written after it); when the buffer's end is reached, the window's rows move back to its front (n rows
+    copied once per SPARE steps, where a concatenation copied n + 1 rows into a new tensor every step). The views of
+    every offset are made once, so a step is one copy of one row. A window view is valid until the next `push`.
+    """
+
+    def __init__(self, x: torch.Tensor):
+        B, H, n, D = x.shape
+        spare = SPARE if n else 0  # an empty window (R = 0, per-token groups) never moves: no buffer
+        self.n, self.off = n, 0
+        self.buf = x.new_empty(B, H, n + spare, D)
+        self.buf[:, :, :n] = x
+        self._views = [self.buf.narrow(2, o, n) for o in range(spare + 1)]
+        self._with_new = [self.buf.narrow(2, o, n + 1) for o in range(spare)]
+        self._new = [self.buf.narrow(2, o + n, 1) for o in range(spare)]
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self._views[self.off]
+
+    def push(self, x: torch.Tensor) -> torch.Tensor:
+        """Append x [B, H, 1, D]; the window is then its last n positions. Returns the old window followed by x
+        ([B, H, n + 1, D], a view valid until the next push)."""
+        if self.off == len(self._new):
+            self.buf[:, :, : self.n] = self._views[self.off].clone()  # the rows overlap: copied through a new tensor
+            self.off = 0
+        self._new[self.off].copy_(x)
+        self.off += 1
+        return self._with_new[self.off - 1]
 
 
 class ExactStream:
