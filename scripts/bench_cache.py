@@ -11,7 +11,8 @@ and `fp32-b4` (a left-padded batch of 4 prompts of L, 7L/8, 6L/8 and 5L/8 tokens
 has its own DynamicCache row, the baseline of its `ratio`.
 Caches: DynamicCache (fp), ours packed (2-bit, K per-channel, V per-token, G=32, R=128) with the default backend
 (`auto`: the C kernel on CPU, Triton on CUDA) for rope=post and rope=pre, with the pure-PyTorch path
-(`backend=torch`), and with FP8 E4M3 codes (K per-channel, V per-token, same G and R); ours simulated (same
+(`backend=torch`), with FP8 E4M3 codes and with lut codes (the format's default codebook; K per-channel, V
+per-token, same G and R), and with the hadamard transform on keys and values; ours simulated (same
 quantizers, fake quant), ours recompute (XQuant-like: the attention input X projected on `--recompute-rank`
 singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K and V rebuilt at every step), and
 transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
@@ -26,7 +27,8 @@ excluded. Prefill is timed on its own. Peak cache bytes: the
 largest size the cache reached during the run (walked tensors, counted once each); "fp16" is the same tokens as an
 fp16 K/V cache. For ours packed, "arith" is the size the storage arithmetic predicts from the token counts:
 quantized elements at the format's code bits + 16 bits per stored parameter per group of G (int: scale and zero;
-fp8: scale), sinks and the fixed R-token windows at the model dtype's size, and rope=pre's position ids (int32).
+fp8: scale), sinks and the windows' fixed buffers (R + 8 rows each, `streams.SPARE`) at the model dtype's size,
+and rope=pre's position ids (int32).
 
 `--json PATH` writes {"rows": [...], "code": ..., "argv": [...]}: the package's code version
 (`kvq_lab.provenance.code_version`), the command's arguments, and one object per cache, setting and prompt length,
@@ -34,7 +36,8 @@ with the keys
     kind      dynamic | ours_packed | ours_simulated | ours_recompute | quanto | hqq
     label     the row's name in the tables          backend  auto's choice, torch, ... (null: not ours)
     rope      post | pre                            dtype    float32 | bfloat16 (the model's)
-    batch     rows decoded together                 format   int | fp8_e4m3 (null: DynamicCache)
+    batch     rows decoded together                 format   int | fp8_e4m3 | lut (null: DynamicCache)
+    transform hadamard on keys and values, or null
     length    prompt tokens (the padded length for a batch)
     tok_s     decode tokens/s (median step)         ratio    tok_s / DynamicCache's at the same length, dtype, batch
     prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat)
@@ -81,6 +84,7 @@ class Row:
     backend: str | None = None
     rope: str = "post"
     format: str | None = "int"
+    transform: str | None = None
 
 
 SETTINGS = {"fp32-b1": (torch.float32, 1), "bf16-b1": (torch.bfloat16, 1), "fp32-b4": (torch.float32, 4)}
@@ -91,8 +95,9 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
     spec_k, spec_v = QuantSpec(bits, G, "channel"), QuantSpec(bits, G, "token")
     auto = get_backend("auto").name
 
-    def packed(backend="auto", rope="post", k=spec_k, v=spec_v):
-        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend=backend, rope=rope)
+    def packed(backend="auto", rope="post", k=spec_k, v=spec_v, transform=()):
+        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend=backend, rope=rope,
+                          key_transform=transform, value_transform=transform)  # fmt: skip
         return lambda: QuantizedKVCache.for_model(model, cfg)
 
     name = f"ours packed {bits}b K-C V-T G{G} R{R}"
@@ -104,6 +109,7 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
     if not full:
         return rows
     fp8_k, fp8_v = (QuantSpec(8, G, ax, format="fp8_e4m3") for ax in ("channel", "token"))
+    lut_k, lut_v = (QuantSpec(bits, G, ax, format="lut") for ax in ("channel", "token"))
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
     # one tensor (X's projection) under the key quantizer: the value spec must equal it
     recompute = CacheConfig(key=spec_k, value=spec_k, mode="recompute", residual_length=R, recompute_rank=rank)
@@ -112,6 +118,10 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
         Row("ours_packed", f"{name} (torch)", packed("torch"), "torch"),
         Row("ours_packed", f"ours packed fp8_e4m3 K-C V-T G{G} R{R} ({auto})", packed(k=fp8_k, v=fp8_v), auto,
             format="fp8_e4m3"),
+        Row("ours_packed", f"ours packed lut {bits}b K-C V-T G{G} R{R} ({auto})", packed(k=lut_k, v=lut_v), auto,
+            format="lut"),
+        Row("ours_packed", f"{name} hadamard ({auto})", packed(transform=("hadamard",)), auto,
+            transform="hadamard"),
         Row("ours_simulated", f"ours simulated {bits}b K-C V-T G{G}",
             lambda: QuantizedKVCache.for_model(model, simulated), "torch"),
         Row("ours_recompute", f"ours recompute {bits}b X-C G{G} R{R} rank {rank} ({auto})",
@@ -172,7 +182,7 @@ def arithmetic_bytes(cache: QuantizedKVCache) -> int:
             spec, fmt = stream.spec, code_format(stream.spec)
             q = stream.n_quantized(N)
             per_element = fmt.code_bits + 16 * len(fmt.params) / spec.group_size
-            total += B * H * D * (q * per_element / 8 + stream.window.shape[2] * el)
+            total += B * H * D * (q * per_element / 8 + stream.window_slots * el)
         total += 2 * B * H * S * D * el
         if layer._pos is not None:  # rope=pre: the position ids the keys are re-rotated at
             total += layer._pos.numel() * layer._pos.element_size()
@@ -339,7 +349,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows_out.append({
                     "kind": c.kind, "label": c.label, "backend": c.backend, "rope": c.rope,
                     "dtype": str(dtype).removeprefix("torch."), "batch": batch, "format": c.format, "length": L,
-                    "tok_s": tps, "ratio": tps / base, "prefill_s": pre, "peak_bytes": int(stored),
+                    "transform": c.transform, "tok_s": tps, "ratio": tps / base, "prefill_s": pre,
+                    "peak_bytes": int(stored),
                     "measured_over_arith": ratio,
                 })  # fmt: skip
             same = [c.label for c in caches if results[c.label][-1]["tokens"] == results["DynamicCache"][-1]["tokens"]]

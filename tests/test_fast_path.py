@@ -284,13 +284,14 @@ def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch
 # --- the benchmark's JSON ---------------------------------------------------------------------------------------
 
 BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "length", "tok_s", "ratio", "prefill_s",
-              "peak_bytes", "measured_over_arith"}  # fmt: skip
+              "peak_bytes", "measured_over_arith", "transform"}  # fmt: skip
 
 
 def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]} with the code version and the arguments, the
     issue's keys exactly, every setting's DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a
-    left-padded batch of 4, fp8), and the storage arithmetic within a few percent of what our packed caches hold."""
+    left-padded batch of 4, fp8, lut, hadamard), and the storage arithmetic within a few percent of what our packed
+    caches hold."""
     import importlib.util
     import json
     import sys
@@ -328,5 +329,5 @@ def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
     packed = [r for r in rows if r["kind"] == "ours_packed"]
     for dtype, batch in settings:  # rope=pre and rope=post on the default backend in every setting
         assert {r["rope"] for r in packed if (r["dtype"], r["batch"]) == (dtype, batch)} == {"post", "pre"}
-    assert any(r["format"] == "fp8_e4m3" for r in packed)
+    assert {"fp8_e4m3", "lut"} <= {r["format"] for r in packed} and any(r["transform"] == "hadamard" for r in packed)
     assert "same greedy tokens as DynamicCache" in capsys.readouterr().out
