@@ -215,3 +215,60 @@ def test_kernel_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernel, "_LIB", None)
     monkeypatch.setattr(cpu_kernel, "_compile", lambda out: pytest.fail("rebuilt although cached"))
     cpu_kernel.load()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the per-token helpers: the finiteness check and the Walsh-Hadamard transform
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_reads_every_element(dtype):
+    """The C check finds a NaN, +inf or -inf at any position of contiguous and transposed tensors (the projections'
+    layout), says True for finite tensors up to the dtype's largest value (where an fp32 sum would overflow), and
+    agrees with the PyTorch check on everything else."""
+    from kvq_lab.kernels.torch_path import all_finite as torch_all_finite
+
+    g = torch.Generator().manual_seed(3)
+    big = torch.finfo(dtype).max
+    for shape in [(1, 3, 1, 64), (2, 5, 7, 24), (1, 1, 1, 1), (3, 2, 0, 8)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        for t in (x, x.transpose(1, 2)):
+            assert cpu_kernel.all_finite(t) and torch_all_finite(t)
+        if not x.numel():
+            continue
+        full = torch.full(shape, big, dtype=dtype)
+        assert cpu_kernel.all_finite(full)  # finite; a sum of them is not
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for i in torch.randint(0, x.numel(), (5,), generator=g).tolist() + [0, x.numel() - 1]:
+                y = x.clone()
+                y.view(-1)[i] = bad
+                assert not cpu_kernel.all_finite(x, y) and not cpu_kernel.all_finite(y.transpose(1, 2))
+                assert not torch_all_finite(y)
+    strided = torch.randn(4, 6, generator=g).to(dtype)[:, ::2]  # not dense: the PyTorch check
+    assert cpu_kernel.all_finite(strided)
+    strided[1, 1] = float("nan")
+    assert not cpu_kernel.all_finite(strided)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
+    """The hadamard transform's native path (`cpu_kernel.fwht_`, registered for the CPU) gives the PyTorch
+    butterflies' bits for every block size, awkward shapes, transposed inputs and large dynamic ranges; the query
+    fold equals it to fp32 rounding."""
+    from kvq_lab.quant.transforms import hadamard
+
+    g = torch.Generator().manual_seed(5)
+    assert hadamard._FAST.get("cpu") is cpu_kernel.fwht_
+    for n, D, shape in [(2, 6, (3, 1, 5)), (8, 24, (1, 3, 7)), (32, 96, (2, 1, 1)), (64, 64, (1, 3, 1)),
+                        (128, 256, (2, 2, 3)), (16, 16, (0, 2, 1))]:  # fmt: skip
+        x = (torch.randn(*shape, D, generator=g) * 10 ** torch.randint(-4, 5, (*shape, D), generator=g)).to(dtype)
+        t = hadamard.Hadamard(None if n == D else n)
+        for xx in (x, x.transpose(0, 1)):
+            ref = (hadamard.fwht(xx.float(), n) * n**-0.5).to(dtype)
+            got = t.forward(xx)
+            assert got.dtype == dtype and got.shape == xx.shape and torch.equal(got, ref), (n, D, shape)
+            q = xx.float()
+            blocks = q.reshape(*q.shape[:-1], D // n, n) @ hadamard.matrix(n)
+            scale = float(q.abs().max()) if q.numel() else 1.0
+            torch.testing.assert_close(t.fold_query(q), blocks.reshape(q.shape), rtol=1e-5, atol=1e-5 * scale)

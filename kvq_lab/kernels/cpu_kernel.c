@@ -662,6 +662,27 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
     return bad;
 }
 
+/* The Walsh-Hadamard transform of each block of n channels of `rows` contiguous fp32 rows of D channels, in place,
+   then times `scale`: the butterfly stages (a, b) -> (a + b, a - b) on pairs (i, i + h), h = 1, 2, ..., n/2, one
+   fp32 sum or difference per element and stage, then one product: the operations of
+   `kvq_lab.quant.transforms.hadamard.fwht` and its scaling, in the same order, so the same bits (tested); one call
+   where PyTorch takes log2(n) stages of several ops each (the hadamard transform of each new key and value, every
+   layer and decode step). */
+void kvq_fwht(int64_t x, int64_t rows, int64_t D, int64_t n, float scale) {
+    float *p = (float *)x;
+    for (int64_t r = 0; r < rows * (D / n); r++) {
+        float *restrict y = p + r * n;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t s = 0; s < n; s += 2 * h)
+                for (int64_t j = 0; j < h; j++) {
+                    const float a = y[s + j], b = y[s + h + j];
+                    y[s + j] = a + b;
+                    y[s + h + j] = a - b;
+                }
+        for (int64_t i = 0; i < n; i++) y[i] *= scale;
+    }
+}
+
 /* Whether any of n contiguous elements at x (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`) is NaN or inf: its
    exponent bits all set. Exact for every value, no arithmetic on them; one pass the compiler vectorises. The caches'
    check of each new key and value (`all_finite`), one call per tensor instead of a sum and a conversion in PyTorch. */

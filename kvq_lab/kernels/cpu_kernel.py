@@ -36,6 +36,7 @@ import torch
 
 from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
+from kvq_lab.quant.transforms.hadamard import register_fast
 
 from . import torch_path
 from .torch_path import decode_attention_torch
@@ -143,6 +144,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
     lib.kvq_any_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.kvq_any_nonfinite.restype = ctypes.c_int64
+    lib.kvq_fwht.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    lib.kvq_fwht.restype = None
     return lib
 
 
@@ -168,6 +171,24 @@ def all_finite(*tensors: torch.Tensor) -> bool:
         elif fn(t.data_ptr(), t.numel(), code):
             return False
     return True
+
+
+def fwht_(y: torch.Tensor, n: int, scale: float) -> bool:
+    """`hadamard.fwht(y, n) * scale` computed in place in one native call, the same bits: y a contiguous fp32 CPU
+    tensor [..., D], D a multiple of n. False (y untouched) where the kernel does not build here: the caller computes
+    it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`)."""
+    if _ERROR is not None or not (y.is_cpu and y.dtype is torch.float32 and y.is_contiguous()):
+        return False
+    try:
+        lib = load()
+    except KernelBuildError:
+        return False
+    D = y.shape[-1]
+    lib.kvq_fwht(y.data_ptr(), y.numel() // D if D else 0, D, n, scale)
+    return True
+
+
+register_fast("cpu", fwht_)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -11,9 +11,11 @@ the query too) and A V (rotate the output back): attention can fold it (`foldabl
 Arithmetic: the fast Walsh-Hadamard transform, log2(n) butterfly stages (a, b) -> (a + b, a - b) in fp32, then one
 multiplication by n^-1/2. Elementwise, so each output depends on its own token only and comes out bit for bit the
 same whatever the batch, head or token count (no matmul blocking): simulated and packed modes agree exactly, and a
-row of a padded batch stores what it stores alone. The fold (the query and the attention output, once per layer and
-decode step, never stored) is one matmul with the fp32 matrix H_n/sqrt(n) instead: the same map to fp32 rounding,
-without log2(n) stages of per-op overhead on a one-token tensor.
+row of a padded batch stores what it stores alone. A kernel module may register the same arithmetic for a device
+(`register_fast`: the CPU kernel does, one native call where PyTorch takes several ops per stage); it gives the
+same bits (tested). The fold (the query and the attention output, once per layer and
+decode step, never stored) is the registered native transform where there is one, else one matmul with the fp32
+matrix H_n/sqrt(n): the same map to fp32 rounding, without log2(n) stages of per-op overhead on a one-token tensor.
 
 Spelling: `hadamard` rotates the whole head dim (a power of two: 64, 128); `hadamard:<n>` rotates blocks of n
 channels (a power of two dividing the head dim, e.g. `hadamard:32` for head_dim 96).
@@ -40,6 +42,26 @@ def block_arg(name: str, arg: str, example: int, hint: str = "") -> int:
             f"{name}:{arg} has a block that is not a power of two >= 2 (e.g. {name}:{example}){hint}"
         )
     return n
+
+
+_FAST: dict = {}  # device type -> fn(y, n, scale) -> bool: fwht(y, n) * scale in place, or False (not here)
+
+
+def register_fast(device_type: str, fn) -> None:
+    """Register a native `fwht(y, n) * scale` for tensors on `device_type`: fn(y, n, scale) transforms a contiguous
+    fp32 y [..., D] in place with the same bits and returns True, or returns False and leaves y alone."""
+    _FAST[device_type] = fn
+
+
+def _native(x, n: int):
+    """fwht(x, n) * n^-1/2 in x's dtype by the native transform registered for x's device, or None (none here)."""
+    fast = _FAST.get(x.device.type)
+    if fast is None:
+        return None
+    import torch
+
+    y = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return y.to(x.dtype) if fast(y, n, n**-0.5) else None
 
 
 def fwht(x, n: int):
@@ -113,14 +135,19 @@ class Hadamard(Transform):
 
     def forward(self, x, pos=None):
         n = self._n(x.shape[-1])
-        return (fwht(x.float(), n) * n**-0.5).to(x.dtype)
+        y = _native(x, n)
+        return y if y is not None else (fwht(x.float(), n) * n**-0.5).to(x.dtype)
 
     inverse = forward  # H_n / sqrt(n) is symmetric and orthonormal: its own inverse
 
     def fold_query(self, q):
-        """q [..., D] -> q M by one matmul (see the module docstring); never used on stored tokens."""
+        """q [..., D] -> q M: the registered native transform where there is one (`forward`'s bits), else one matmul
+        (see the module docstring); never used on stored tokens."""
         D = q.shape[-1]
         n = self._n(D)
+        y = _native(q, n)
+        if y is not None:
+            return y
         blocks = q.float().reshape(*q.shape[:-1], D // n, n)
         return (blocks @ matrix(n, str(q.device))).reshape(q.shape).to(q.dtype)
 
