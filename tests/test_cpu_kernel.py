@@ -136,6 +136,24 @@ def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     assert len(calls) == 39 * 2  # every decode step after the first token, in both layers
 
 
+def test_hadamard_generation_maps_in_the_kernel(tiny, monkeypatch):  # noqa: F811
+    """hadamard on keys and values with backend=cpu: every decode step hands the kernel `DecodeView.hadamard` (the
+    query and output maps made there), and the greedy tokens are backend=torch's (the maps made by kvq_sdpa)."""
+    seen = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(view.hadamard) or real(view, *a))
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(6))
+    out = {}
+    for backend in ("cpu", "torch"):
+        cfg = CacheConfig(
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+            sink_tokens=1, backend=backend, key_transform=("hadamard",), value_transform=("hadamard",),
+        )  # fmt: skip
+        out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 24)
+    assert torch.equal(out["cpu"], out["torch"])
+    assert seen and all(h == (64, 64) for h in seen)
+
+
 def test_pre_rope_keys_match_the_pytorch_path(tiny):  # noqa: F811
     """rope=pre: the kernel rotates the keys itself (tests/test_fast_path.py); same greedy tokens as backend=torch."""
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(5))
@@ -272,3 +290,41 @@ def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
             blocks = q.reshape(*q.shape[:-1], D // n, n) @ hadamard.matrix(n)
             scale = float(q.abs().max()) if q.numel() else 1.0
             torch.testing.assert_close(t.fold_query(q), blocks.reshape(q.shape), rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("k_t, v_t, maps", [
+    (("hadamard",), ("hadamard",), (64, 64)),
+    (("hadamard",), (), (64, 0)),
+    ((), ("hadamard:16",), (0, 16)),
+    (("hadamard:32",), ("hadamard",), (32, 64)),
+    (("rotatekv",), ("hadamard",), (0, 64)),  # another foldable map (fitted below): kvq_sdpa maps the query
+])  # fmt: skip
+def test_the_kernel_maps_the_hadamard_query_and_output(k_t, v_t, maps):
+    """A layer whose pipeline is the hadamard transform alone hands the kernel `DecodeView.hadamard`; the kernel then
+    maps the query and the output itself, with the same bits (fp32) as the maps kvq_sdpa makes around it, sinks
+    included. The PyTorch path refuses such a view rather than ignore it."""
+    from kvq_lab.kernels.view import Unsupported
+    from kvq_lab.quant.transforms.rotatekv import RotateKV
+
+    if k_t == ("rotatekv",):
+        k_t = (RotateKV.example().spelling,)  # a fitted channel order
+    cfg = CacheConfig(
+        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+        sink_tokens=1, backend="cpu", key_transform=k_t, value_transform=v_t,
+    )  # fmt: skip
+    layer = PackedLayer(cfg, None, PaddingState())
+    g = torch.Generator().manual_seed(11)
+    k, v = torch.randn(1, 2, 150, 64, generator=g), torch.randn(1, 2, 150, 64, generator=g)
+    layer.update(k, v)
+    view = layer.decode_view()
+    assert view.hadamard == maps
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    kp, vp = layer.k_pipe, layer.v_pipe
+    q_in = kp.fold_query(q) if kp is not None and not maps[0] else q  # what kvq_sdpa hands the kernel
+    got = cpu_kernel.decode_attention(view, q_in, None, 0.125)
+    if vp is not None and not maps[1]:
+        got = vp.fold_output(got)
+    plain = cpu_kernel.decode_attention(view._replace(hadamard=None), kp.fold_query(q) if kp else q, None, 0.125)
+    assert torch.equal(got, vp.fold_output(plain) if vp is not None else plain)
+    with pytest.raises(Unsupported):
+        decode_attention_torch(view, q, None, 0.125)

@@ -7,13 +7,14 @@ layer's `decode_view()` (plain tensors) then goes to its backend's `decode_atten
 Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
 query q M (q M · k M = q · k); values stored as v M give the output (A v) M, mapped back with M^T. Once per decode
-step each, whatever the cache length. rope_pre alone on the keys, with a backend that reads `rope` (the CPU and
-Triton kernels), is undone in the kernel: the view carries the codes and a cos/sin table, and each history key row is
-rotated at its position as it is read (the window is kept as the model made it). Left-padded batches reach the
-kernel too where the backend reads per-row layouts (`rows`); where it cannot take a step (a mask per query head,
-say: it raises `Unsupported` before any work), the layer's K/V are materialized for the model's SDPA. Any other
-pipeline that does not fold comes undone in the layer's view (history dequantized and re-rotated), which only the
-PyTorch path reads.
+step each, whatever the cache length. The `hadamard` transform alone, with a backend that reads `hadamard` (the CPU
+kernel), is mapped inside the kernel instead (`DecodeView.hadamard`: two copies and calls less per layer and step).
+rope_pre alone on the keys, with a backend that reads `rope` (the CPU and Triton kernels), is undone in the kernel:
+the view carries the codes and a cos/sin table, and each history key row is rotated at its position as it is read
+(the window is kept as the model made it). Left-padded batches reach the kernel too where the backend reads per-row
+layouts (`rows`); where it cannot take a step (a mask per query head, say: it raises `Unsupported` before any work),
+the layer's K/V are materialized for the model's SDPA. Any other pipeline that does not fold comes undone in the
+layer's view (history dequantized and re-rotated), which only the PyTorch path reads.
 """
 
 from __future__ import annotations
@@ -70,18 +71,21 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
     undone = view.keys.history is not None or view.values.history is not None
     fused = decode_attention_torch if undone else layer.backend.decode_attention
-    q = kp.fold_query(query) if kp is not None and kp.foldable else query  # keys stored as k M: q M · k M = q · k
+    maps = view.hadamard or (0, 0)  # the hadamard maps the kernel makes itself (keys', values')
+    q = kp.fold_query(query) if kp is not None and kp.foldable and not maps[0] else query  # keys as k M: q M · k M
     try:
         out = fused(view, q, attention_mask, scaling)  # [B, 1, Hq, D]
-    except Unsupported:  # a view with `rope` or `pads` the kernel cannot take with this query or mask (checked first)
+    except Unsupported:  # a view with an extension the kernel cannot take with this query or mask (checked first)
         if view.pads is not None:  # a padded batch: the model's SDPA over full K/V
             k, v = layer.materialize()
             return sdpa_attention_forward(
                 module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-        view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history instead
+        view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history; the maps made here
+        q = kp.fold_query(query) if kp is not None and kp.foldable else query
+        maps = (0, 0)
         out = decode_attention_torch(view, q, attention_mask, scaling)
-    if vp is not None and vp.foldable:
+    if vp is not None and vp.foldable and not maps[1]:
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
 

@@ -5,7 +5,8 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
     dequantize(codes, scale, zero, spec, n)     fp32 [B, H, n, D] of storage positions [0, n)
     decode_attention(view, query, mask, scaling)  one decode step over a `DecodeView` -> [B, 1, Hq, D]
     features                                    the `DecodeView` extensions its decode_attention reads (`rope`:
-                                                rope=pre keys rotated in the kernel; `rows`: left-padded batches);
+                                                rope=pre keys rotated in the kernel; `rows`: left-padded batches;
+                                                `hadamard`: the query and output maps of the hadamard transform);
                                                 it raises `kvq_lab.kernels.view.Unsupported` for a view with one
                                                 that it cannot take with this query or mask (the caller rebuilds
                                                 the view without it)
@@ -80,7 +81,7 @@ class CpuBackend(TorchBackend):
     (`kvq_lab.kernels.cpu_kernel`, compiled on first use)."""
 
     name = "cpu"
-    features = frozenset({"rope", "rows"})
+    features = frozenset({"rope", "rows", "hadamard"})
 
     @staticmethod
     def decode_attention(view, query, mask, scaling):

@@ -67,6 +67,7 @@ import weakref
 import torch
 
 from kvq_lab.kernels.view import DecodeView, RopeView
+from kvq_lab.quant.transforms.hadamard import Hadamard
 from kvq_lab.quant.transforms.rope_pre import RopePre
 
 from .attention import PackedKV, route_model
@@ -250,7 +251,27 @@ class PackedLayer(QuantizedLayerBase):
         k = self._stream_view(self.k_stream, self.sink_k, None if rope is not None else self.k_pipe)
         v = self._stream_view(self.v_stream, self.sink_v, self.v_pipe)
         pads = None if self.uniform else torch.tensor(self.pads, device=self.sink_k.device)
-        return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope, pads)
+        # the hadamard maps of the query and output in the kernel, unless a history is dequantized (the PyTorch path)
+        had = self._hadamard if "hadamard" in features and k.history is None and v.history is None else None
+        return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope, pads, had)
+
+    @property
+    def _hadamard(self) -> tuple[int, int] | None:
+        """`DecodeView.hadamard` for a kernel that maps query and output itself: the Hadamard block of the keys' and
+        of the values' pipeline where that pipeline is the `hadamard` transform alone, 0 where it is not (another
+        or no transform: a foldable one is then mapped by `kvq_sdpa`); None when neither is."""
+        had = self.__dict__.get("_had", False)
+        if had is False:
+            D = self.sink_k.shape[-1]
+
+            def block(pipe) -> int:
+                if pipe is None or len(pipe.transforms) != 1 or not isinstance(pipe.transforms[0], Hadamard):
+                    return 0
+                return pipe.transforms[0].block or D
+
+            nk, nv = block(self.k_pipe), block(self.v_pipe)
+            had = self._had = (nk, nv) if nk or nv else None
+        return had
 
     @property
     def _rows_fused(self) -> bool:

@@ -49,6 +49,7 @@ applies rope_pre to a window only when it quantizes it), read as they are.
 */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define KVQ_BLOCK 32
@@ -82,6 +83,8 @@ typedef struct {
     int64_t rcos, rsin, P;          /* rope=pre: fp32 cos/sin tables [P, D/2], or 0 (keys stored as attended) */
     int64_t pos, pb;                /* rope=pre: int32 position ids [B, >= N], row stride pb */
     int64_t pads;                   /* padded batches: int64 [B] padding positions per row, or 0 (none) */
+    int64_t qn, on;                 /* hadamard: the query / output in the Walsh-Hadamard basis of blocks of qn / on
+                                       channels (kvq_fwht, times n^-1/2), or 0 */
     Stream k, v;
 } Args;
 
@@ -662,27 +665,6 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
     return bad;
 }
 
-/* The Walsh-Hadamard transform of each block of n channels of `rows` contiguous fp32 rows of D channels, in place,
-   then times `scale`: the butterfly stages (a, b) -> (a + b, a - b) on pairs (i, i + h), h = 1, 2, ..., n/2, one
-   fp32 sum or difference per element and stage, then one product: the operations of
-   `kvq_lab.quant.transforms.hadamard.fwht` and its scaling, in the same order, so the same bits (tested); one call
-   where PyTorch takes log2(n) stages of several ops each (the hadamard transform of each new key and value, every
-   layer and decode step). */
-void kvq_fwht(int64_t x, int64_t rows, int64_t D, int64_t n, float scale) {
-    float *p = (float *)x;
-    for (int64_t r = 0; r < rows * (D / n); r++) {
-        float *restrict y = p + r * n;
-        for (int64_t h = 1; h < n; h *= 2)
-            for (int64_t s = 0; s < n; s += 2 * h)
-                for (int64_t j = 0; j < h; j++) {
-                    const float a = y[s + j], b = y[s + h + j];
-                    y[s + j] = a + b;
-                    y[s + h + j] = a - b;
-                }
-        for (int64_t i = 0; i < n; i++) y[i] *= scale;
-    }
-}
-
 /* Whether any of n contiguous elements at x (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`) is NaN or inf: its
    exponent bits all set. Exact for every value, no arithmetic on them; one pass the compiler vectorises. The caches'
    check of each new key and value (`all_finite`), one call per tensor instead of a sum and a conversion in PyTorch. */
@@ -699,11 +681,48 @@ int64_t kvq_any_nonfinite(int64_t x, int64_t n, int64_t dtype) {
     return hit;
 }
 
+/* The Walsh-Hadamard transform of each block of n channels of `rows` contiguous fp32 rows of D channels, in place,
+   then times `scale`: the butterfly stages (a, b) -> (a + b, a - b) on pairs (i, i + h), h = 1, 2, ..., n/2, one
+   fp32 sum or difference per element and stage, then one product: the operations of
+   `kvq_lab.quant.transforms.hadamard.fwht` and its scaling, in the same order, so the same bits (tested); one call
+   where PyTorch takes log2(n) stages of several ops each (the hadamard transform of each new key and value, every
+   layer and decode step; and of the query and output inside kvq_decode_attention). */
+void kvq_fwht(int64_t x, int64_t rows, int64_t D, int64_t n, float scale) {
+    float *p = (float *)x;
+    for (int64_t r = 0; r < rows * (D / n); r++) {
+        float *restrict y = p + r * n;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t s = 0; s < n; s += 2 * h)
+                for (int64_t j = 0; j < h; j++) {
+                    const float a = y[s + j], b = y[s + h + j];
+                    y[s + j] = a + b;
+                    y[s + h + j] = a - b;
+                }
+        for (int64_t i = 0; i < n; i++) y[i] *= scale;
+    }
+}
+
 /* Tasks (b, kv head, chunk) over `threads` OpenMP threads, then the chunks of each query head combined. Built
    with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
    so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers.
-   Returns the number of rope=pre key rows whose position id is outside the table (0: the output is valid). */
-int64_t kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
+   hadamard (qn, on): the query is mapped into the keys' basis first (a copy, kvq_fwht) and each output row back
+   from the values' basis at the end, the maps `kvq_sdpa` would make around the call, bit for bit in fp32.
+   Returns the number of rope=pre key rows whose position id is outside the table (0: the output is valid; -1: no
+   memory for the query's copy). */
+int64_t kvq_decode_attention(const Args *args, int64_t threads, float scaling) {
+    Args local = *args;  /* the query moved into the Hadamard basis is a copy: the caller's is read only */
+    const Args *a = &local;
+    float *qh = 0;
+    if (args->qn) {
+        const int64_t rows = args->B * args->Hq, D = args->D;
+        qh = (float *)malloc((size_t)(rows * D) * sizeof *qh);
+        if (!qh) return -1;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(qh + i * D, (const float *)args->q + (i / args->Hq) * args->qb + (i % args->Hq) * args->qh,
+                   (size_t)D * sizeof *qh);
+        kvq_fwht((int64_t)qh, rows, D, args->qn, (float)pow((double)args->qn, -0.5));
+        local.q = (int64_t)qh, local.qb = args->Hq * D, local.qh = D;
+    }
     const int64_t D = a->D, r = a->Hq / a->Hkv, C = (a->N + a->chunk - 1) / a->chunk;
     const int64_t tasks = a->B * a->Hkv * C;
     float *partial = (float *)a->partial;
@@ -719,6 +738,7 @@ int64_t kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
         const int64_t p0 = c * a->chunk, p1 = p0 + a->chunk < a->N ? p0 + a->chunk : a->N;
         bad += attend_chunk(a, mf, bh / a->Hkv, bh % a->Hkv, p0, p1, scaling, partial + i * r * (D + 2));
     }
+    free(qh);
     if (bad) return bad;
     for (int64_t bq = 0; bq < a->B * a->Hq; bq++) {
         const int64_t b = bq / a->Hq, hq = bq % a->Hq, h = hq / r, i = hq % r;
@@ -736,6 +756,7 @@ int64_t kvq_decode_attention(const Args *a, int64_t threads, float scaling) {
         }
         const float inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        if (a->on) kvq_fwht((int64_t)o, 1, D, a->on, (float)pow((double)a->on, -0.5));
     }
     return 0;
 }

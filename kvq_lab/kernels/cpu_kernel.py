@@ -56,7 +56,7 @@ STREAM_FIELDS = (
     "codes scale zero table cb ch cr pb ph pt n bits nb m group token_axis win wb wh wt W w sink sb sh st xdt".split()
     + ["starts", "counts"]
 )
-ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb pads".split()
+ARG_FIELDS = "q qb qh out ob oh mask mb partial B Hq Hkv D N s chunk rcos rsin P pos pb pads qn on".split()
 N_FIELDS = len(ARG_FIELDS) + 2 * len(STREAM_FIELDS)
 
 # the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries: every code format
@@ -231,7 +231,7 @@ def _stream_fields(sv: StreamView) -> list[int]:
     ]  # fmt: skip
 
 
-_NO_HISTORY, _NO_ROWS = [0] * 11, [0, 0]
+_NO_HISTORY, _NO_ROWS, _NO_HADAMARD = [0] * 11, [0, 0], (0, 0)
 _LAYOUTS: dict = {}
 
 
@@ -290,6 +290,7 @@ def _supports(view: DecodeView, query: torch.Tensor) -> bool:
         and v.sink.stride()[-1] == 1
         and D <= MAX_D
         and Hq // sink.shape[1] <= MAX_R
+        and (view.hadamard is None or all(n == 0 or (D % n == 0 and n & (n - 1) == 0) for n in view.hadamard))
         and (rope is None or (D % 2 == 0 and rope.pos.dtype is torch.int32 and rope.pos.stride()[-1] == 1))
     )
 
@@ -314,17 +315,19 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
 
 def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
     """`decode_attention_torch`'s twin over packed K/V: query [B, Hq, 1, D] -> [B, 1, Hq, D] in the query's dtype.
-    A view with rope=pre keys (`view.rope`) is rotated in the kernel. fp16 / bf16 models: sinks and windows are
-    converted row by row in the kernel; the query (one row per head) here, and the fp32 output back."""
+    A view with rope=pre keys (`view.rope`) is rotated in the kernel; with `view.hadamard` the query is mapped into
+    the keys' Hadamard basis and the output back from the values' in the kernel too (fp32). fp16 / bf16 models:
+    sinks and windows are converted row by row in the kernel; the query (one row per head) here, and the fp32 output
+    back."""
     check_codes_only(view, "the CPU kernel")
     B, Hq, _, D = query.shape
     N = view.N
     add = _additive_mask(mask, B, N)  # built once: `supports` would build it again
     if add is False or not _supports(view, query):
-        if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
+        if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
-                "the CPU kernel cannot take this query or mask; rebuild the view without `rope` and `pads` for "
-                "torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
+                "the CPU kernel cannot take this query or mask; rebuild the view without `rope`, `pads` and "
+                "`hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
     Hkv = view.keys.sink.shape[1]
@@ -342,11 +345,13 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         query.data_ptr(), qs[0], qs[1], out.data_ptr(), Hq * D, D,
         0 if add is None else add.data_ptr(), 0 if add is None else N, partial.data_ptr(),
         B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
-        *_stream_fields(view.keys), *_stream_fields(view.values),
+        *(view.hadamard or _NO_HADAMARD), *_stream_fields(view.keys), *_stream_fields(view.values),
     ))  # fmt: skip
     if len(args) != N_FIELDS:  # the C struct's layout: a missing field would shift every later one
         raise RuntimeError(f"CPU kernel argument block has {len(args)} fields, the C Args struct {N_FIELDS}")
     bad = load().kvq_decode_attention(args.buffer_info()[0], torch.get_num_threads(), scaling)
+    if bad < 0:
+        raise MemoryError(f"the CPU kernel could not allocate the query's copy ({B * Hq * D} floats)")
     if bad:
         raise ValueError(
             f"{bad} rope=pre key rows have position ids outside the RopeView table "

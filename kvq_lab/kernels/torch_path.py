@@ -86,10 +86,11 @@ def decode_attention_torch(view: DecodeView, query: torch.Tensor, mask, scaling:
     without repeating K/V). No decode step allocates anything of the cache's size: fresh multi-MB buffers cost
     more in page faults than the arithmetic that fills them.
     """
-    if view.rope is not None or view.pads is not None:
+    if view.rope is not None or view.pads is not None or view.hadamard is not None:
         raise Unsupported(
-            "the PyTorch path reads neither `rope` (its keys come as a dequantized, rotated history) nor `pads` "
-            "(padded batches attend materialized K/V): rebuild the view without them"
+            "the PyTorch path reads none of `rope` (its keys come as a dequantized, rotated history), `pads` (padded "
+            "batches attend materialized K/V) and `hadamard` (the caller maps query and output): rebuild the view "
+            "without them"
         )
     k = _assemble(view.keys, view.N, view.sink_tokens, "k")  # [B, Hkv, N, D] fp32
     v = _assemble(view.values, view.N, view.sink_tokens, "v")

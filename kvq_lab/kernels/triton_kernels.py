@@ -558,6 +558,8 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     query heads ([B or 1, 1, 1, >= N]), rope=pre keys from a `RopeView` (int32 position ids), padded rows with their
     int64 starts and counts. Otherwise `decode_attention` takes the PyTorch path for a plain view and refuses a view
     with `rope` or `pads` (`kvq_lab.cache.attention` rebuilds or materializes those)."""
+    if view.hadamard is not None:  # the query and output maps are the caller's here
+        return False
     B, Hq, _, D = query.shape
     ks, vs = view.keys, view.values
     Hkv = ks.sink.shape[1]
@@ -641,7 +643,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     `_chunk`)."""
     check_codes_only(view, "the Triton decode kernel")
     if not supports(view, query, mask):
-        if view.rope is not None or view.pads is not None:  # the PyTorch path reads neither
+        if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
                 "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
                 "without `rope` and `pads` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"

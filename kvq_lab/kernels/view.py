@@ -12,7 +12,7 @@ Positions of one tensor (keys or values) of a batch without padding, with S = `s
 
 Every position is in exactly one segment. Keys and values split differently (their windows differ).
 
-Two extensions, each None unless the layer's backend declares it reads them (`Backend.features`):
+Three extensions, each None unless the layer's backend declares it reads them (`Backend.features`):
     rope   (`RopeView`) rope=pre keys: the history's keys are quantized pre-RoPE; the kernel rotates each history
            key row at its position id (`transformers` Llama's `rotate_half` convention) from a shared cos/sin
            table. Sinks and window are exact post-RoPE keys, as the model made them, and are read as they are.
@@ -20,6 +20,10 @@ Two extensions, each None unless the layer's backend declares it reads them (`Ba
            (`sink[b, :, j]` is its real token j < S), then its stream positions; a stream's storage position t of
            row b is absolute position `StreamView.starts[b] + t`, history while t < `StreamView.counts[b]`, and
            every later position of the row is in the window (its last rows, by absolute position).
+    hadamard  (n_k, n_v): keys stored in the Hadamard basis of blocks of n_k channels (`hadamard` transform,
+           H/sqrt(n)) and values in that of n_v, 0 for a tensor stored as it is: the kernel maps the query into the
+           keys' basis before the scores and the output back from the values' basis after the weighted sum (sinks
+           are in the basis already). Without it the caller makes those two maps around the kernel.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ class DecodeView(NamedTuple):
     """One layer's packed K/V at a decode step: N cached tokens, S = `sink_tokens` (history starts at S).
 
     rope: rope=pre keys to rotate in the kernel (`RopeView`), or None. pads: int64 [B] left-padding positions per
-    row, or None (no padding; the module docstring gives the padded layout and `StreamView.starts/counts`)."""
+    row, or None (no padding; the module docstring gives the padded layout and `StreamView.starts/counts`).
+    hadamard: (n_k, n_v) Hadamard blocks of the stored keys and values for the kernel to fold, or None."""
 
     keys: StreamView
     values: StreamView
@@ -94,6 +99,7 @@ class DecodeView(NamedTuple):
     sink_tokens: int
     rope: RopeView | None = None
     pads: torch.Tensor | None = None
+    hadamard: tuple[int, int] | None = None
 
 
 class Unsupported(ValueError):
