@@ -4,7 +4,8 @@ What is stored, per layer (positions are absolute cache positions 0..N-1; row b 
 `p_b` padding positions first, then its real tokens j = 0, 1, ...):
     sinks    the first `sink_tokens` real tokens of each row, exact (post-RoPE keys, as the model made them).
     history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), fp16 scale/zero per group.
-    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens.
+    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and 8 spare
+             rows it moves through, one row copied per step: `streams._Window`).
 
 Streaming follows the grouping axis of each tensor (so any axis works for keys or values):
     per-channel (groups of G tokens, KIVI's keys): the window fills to R (or G when R = 0), then all of it is
@@ -46,7 +47,8 @@ attention runs as usual.
 Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the quantizer sees T(x) for every token
 after the sinks; sinks stay exact. A pipeline that folds into attention (hadamard: an orthogonal map of the head dim)
 is applied as tokens arrive, so the window holds T(x) too: on fused decode steps it is not undone at all, `kvq_sdpa`
-maps the query with T and the output back with T^-1 around the kernel, which reads the stored codes and window as
+maps the query with T and the output back with T^-1 around the kernel (the CPU kernel makes both maps itself for the
+`hadamard` transform alone: `DecodeView.hadamard`), which reads the stored codes and window as
 they are and this step's sinks mapped into T's basis; `materialize` inverts every stream position. A pipeline that
 does not fold (rope_pre: position-dependent) is applied as tokens are quantized (the streams' `encode`, a window or
 prompt at once): the window holds the tokens as the model made them, exact and read as they are, and only the
