@@ -65,6 +65,17 @@ def left_padded_prompts(lengths: list[int], seed: int = 13, vocab: int = 256) ->
     return ids * mask, mask
 
 
+def spy_cpu_kernel(monkeypatch, what=lambda view: True) -> list:
+    """Record what(view) for every call of the CPU kernel's decode attention (the kernel still runs): the list fills
+    as the test generates."""
+    from kvq_lab.kernels import cpu_kernel
+
+    seen = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(what(view)) or real(view, *a))
+    return seen
+
+
 def padded_packed_cache(model, mask: torch.Tensor, rope: str, backend: str):
     """A 2-bit K-C/V-T packed cache (G=32, R=32, 2 sinks) for `model`, declared the batch's padding `mask`: the fast
     paths' left-padded-generation tests compare backends on it."""

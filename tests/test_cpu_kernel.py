@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import spy_cpu_kernel
 from helpers_models import compose
 from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
 
@@ -121,9 +122,7 @@ def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, va
 
 def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     """Same greedy tokens with backend=cpu and backend=torch, and decode steps really go through the kernel."""
-    calls = []
-    real = cpu_kernel.decode_attention
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    calls = spy_cpu_kernel(monkeypatch)
     ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(4))
     out = {}
     for backend in ("cpu", "torch"):
@@ -139,9 +138,7 @@ def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
 def test_hadamard_generation_maps_in_the_kernel(tiny, monkeypatch):  # noqa: F811
     """hadamard on keys and values with backend=cpu: every decode step hands the kernel `DecodeView.hadamard` (the
     query and output maps made there), and the greedy tokens are backend=torch's (the maps made by kvq_sdpa)."""
-    seen = []
-    real = cpu_kernel.decode_attention
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(view.hadamard) or real(view, *a))
+    seen = spy_cpu_kernel(monkeypatch, lambda view: view.hadamard)
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(6))
     out = {}
     for backend in ("cpu", "torch"):

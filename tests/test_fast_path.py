@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_prompts, padded_packed_cache, tiny_llama
+from conftest import left_padded_prompts, padded_packed_cache, spy_cpu_kernel, tiny_llama
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -132,9 +132,7 @@ def test_rope_pre_generation_goes_through_the_kernel(model_name, request, monkey
     """Greedy tokens with rope=pre: backend=cpu (keys rotated in the kernel) == backend=torch, and every decode step
     of every layer reaches the kernel with a rope view."""
     model = request.getfixturevalue(model_name)
-    calls = []
-    real = cpu_kernel.decode_attention
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: calls.append(view.rope) or real(view, *a))
+    calls = spy_cpu_kernel(monkeypatch, lambda view: view.rope)
     ids = torch.randint(3, 256, (1, 83), generator=torch.Generator().manual_seed(9))
     out = {}
     for backend in ("cpu", "torch"):
@@ -188,9 +186,7 @@ def test_half_model_generation_goes_through_the_kernel(tiny_model, dtype, monkey
     """fp16 / bf16 tiny Llama: the same greedy tokens with backend=cpu and backend=torch (rope=post and pre), every
     decode step of every layer through the kernel."""
     model = tiny_llama().to(dtype)
-    calls = []
-    real = cpu_kernel.decode_attention
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: calls.append(1) or real(view, *a))
+    calls = spy_cpu_kernel(monkeypatch)
     ids = torch.randint(3, 256, (1, 70), generator=torch.Generator().manual_seed(12))
     for rope in ("post", "pre"):
         out = {}
