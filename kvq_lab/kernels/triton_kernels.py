@@ -556,9 +556,10 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     """Whether the kernel takes this view, query and mask: a CUDA device (CPU tensors under TRITON_INTERPRET=1), an
     fp32, fp16 or bf16 model (query, sinks and windows in one dtype), a power-of-two head dim, masks shared by the
     query heads ([B or 1, 1, 1, >= N]), rope=pre keys from a `RopeView` (int32 position ids), padded rows with their
-    int64 starts and counts. Otherwise `decode_attention` takes the PyTorch path for a plain view and refuses a view
-    with `rope` or `pads` (`kvq_lab.cache.attention` rebuilds or materializes those)."""
-    if view.hadamard is not None:  # the query and output maps are the caller's here
+    int64 starts and counts; never `hadamard` (the caller maps query and output around this kernel). Otherwise
+    `decode_attention` takes the PyTorch path for a plain view and raises `Unsupported` for a view with `rope`, `pads`
+    or `hadamard` (`kvq_lab.cache.attention` rebuilds or materializes those)."""
+    if view.hadamard is not None:
         return False
     B, Hq, _, D = query.shape
     ks, vs = view.keys, view.values
