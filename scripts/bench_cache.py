@@ -27,7 +27,7 @@ excluded. Prefill is timed on its own. Peak cache bytes: the
 largest size the cache reached during the run (walked tensors, counted once each); "fp16" is the same tokens as an
 fp16 K/V cache. For ours packed, "arith" is the size the storage arithmetic predicts from the token counts:
 quantized elements at the format's code bits + 16 bits per stored parameter per group of G (int: scale and zero;
-fp8: scale), sinks and the windows' fixed buffers (R + 8 rows each, `streams.SPARE`) at the model dtype's size,
+fp8: scale), sinks and the windows' fixed buffers (R + R/16 rows each, `streams.spare_rows`) at the model dtype's size,
 and rope=pre's position ids (int32).
 
 `--json PATH` writes {"rows": [...], "code": ..., "argv": [...]}: the package's code version

@@ -26,7 +26,7 @@ from kvq_lab.cache.backends import get_backend
 from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import SPARE
+from kvq_lab.cache.streams import spare_rows
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, register_format, tensor_nbytes
@@ -280,7 +280,7 @@ def test_fp8_bytes_are_the_arithmetic():
         layer = PackedLayer(cfg, None, PaddingState())
         layer.update(k, v)  # keys: 1152 quantized (9 windows), values: 1024 quantized
         stored, _ = layer.nbytes()
-        windows = 2 * (R + SPARE) * H * D * 4  # two fp32 window buffers of R tokens and SPARE rows to move in
+        windows = 2 * (R + spare_rows(R)) * H * D * 4  # two fp32 window buffers of R tokens and the rows to move in
         elems = (1152 + 1024) * H * D
         assert abs(8 * (stored - windows) / elems - bpe) <= 0.01 * bpe, name
         assert stored - windows == elems * bpe / 8

@@ -12,7 +12,7 @@ from kvq_lab.cache.attention import ATTN_NAME
 from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import SPARE
+from kvq_lab.cache.streams import spare_rows
 from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups
 from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec
@@ -338,7 +338,7 @@ def test_nbytes_is_the_storage_arithmetic():
     layer.update(k[:, :, :640], v[:, :, :640])  # keys: 640 quantized (5 windows), values: 512 quantized
     stored, fp16 = layer.nbytes()
     hist = (640 + 512) * H * D * 3 // 8  # 2-bit codes + fp16 scale and zero per 32 elements = 3 bits
-    windows = 2 * (R + SPARE) * H * D * 4  # two fp32 window buffers of R tokens and SPARE rows to move in
+    windows = 2 * (R + spare_rows(R)) * H * D * 4  # two fp32 window buffers of R tokens and the rows to move in
     assert stored == hist + windows
     assert fp16 == 2 * 640 * H * D * 2
     # a partial packing block of values is allocated whole: 20 more tokens -> values 532 quantized, blocks of 32

@@ -4,8 +4,8 @@ What is stored, per layer (positions are absolute cache positions 0..N-1; row b 
 `p_b` padding positions first, then its real tokens j = 0, 1, ...):
     sinks    the first `sink_tokens` real tokens of each row, exact (post-RoPE keys, as the model made them).
     history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), fp16 scale/zero per group.
-    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and 8 spare
-             rows it moves through, one row copied per step: `streams._Window`).
+    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and R/16
+             spare rows it moves through, one row copied per step: `streams._Window`).
 
 Streaming follows the grouping axis of each tensor (so any axis works for keys or values):
     per-channel (groups of G tokens, KIVI's keys): the window fills to R (or G when R = 0), then all of it is
