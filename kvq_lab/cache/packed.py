@@ -64,6 +64,7 @@ per-axis streaming policies, `backends` the kernels' selection, `attention` the 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -257,23 +258,21 @@ class PackedLayer(QuantizedLayerBase):
         had = self._hadamard if "hadamard" in features and k.history is None and v.history is None else None
         return DecodeView(k, v, self.N, self.cfg.sink_tokens, rope, pads, had)
 
-    @property
+    @functools.cached_property
     def _hadamard(self) -> tuple[int, int] | None:
         """`DecodeView.hadamard` for a kernel that maps query and output itself: the Hadamard block of the keys' and
         of the values' pipeline where that pipeline is the `hadamard` transform alone, 0 where it is not (another
-        or no transform: a foldable one is then mapped by `kvq_sdpa`); None when neither is."""
-        had = self.__dict__.get("_had", False)
-        if had is False:
-            D = self.sink_k.shape[-1]
+        or no transform: a foldable one is then mapped by `kvq_sdpa`); None when neither is. Computed once (the
+        pipelines and head size are fixed)."""
+        D = self.sink_k.shape[-1]
 
-            def block(pipe) -> int:
-                if pipe is None or len(pipe.transforms) != 1 or not isinstance(pipe.transforms[0], Hadamard):
-                    return 0
-                return pipe.transforms[0].block or D
+        def block(pipe) -> int:
+            if pipe is None or len(pipe.transforms) != 1 or not isinstance(pipe.transforms[0], Hadamard):
+                return 0
+            return pipe.transforms[0].block or D
 
-            nk, nv = block(self.k_pipe), block(self.v_pipe)
-            had = self._had = (nk, nv) if nk or nv else None
-        return had
+        nk, nv = block(self.k_pipe), block(self.v_pipe)
+        return (nk, nv) if nk or nv else None
 
     @property
     def _rows_fused(self) -> bool:
