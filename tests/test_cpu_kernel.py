@@ -268,13 +268,13 @@ def test_all_finite_reads_every_element(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
-    """The hadamard transform's native path (`cpu_kernel.fwht_`, registered for the CPU) gives the PyTorch
+    """The hadamard transform's native path (`cpu_kernel.fwht`, registered for the CPU) gives the PyTorch
     butterflies' bits for every block size, awkward shapes, transposed inputs and large dynamic ranges; the query
     fold equals it to fp32 rounding."""
     from kvq_lab.quant.transforms import hadamard
 
     g = torch.Generator().manual_seed(5)
-    assert hadamard._FAST.get("cpu") is cpu_kernel.fwht_
+    assert hadamard._FAST.get("cpu") is cpu_kernel.fwht
     for n, D, shape in [(2, 6, (3, 1, 5)), (8, 24, (1, 3, 7)), (32, 96, (2, 1, 1)), (64, 64, (1, 3, 1)),
                         (128, 256, (2, 2, 3)), (16, 16, (0, 2, 1))]:  # fmt: skip
         x = (torch.randn(*shape, D, generator=g) * 10 ** torch.randint(-4, 5, (*shape, D), generator=g)).to(dtype)
@@ -287,6 +287,13 @@ def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
             blocks = q.reshape(*q.shape[:-1], D // n, n) @ hadamard.matrix(n)
             scale = float(q.abs().max()) if q.numel() else 1.0
             torch.testing.assert_close(t.fold_query(q), blocks.reshape(q.shape), rtol=1e-5, atol=1e-5 * scale)
+    # read where it lies: a projection's [B, n, H, D] output seen as [B, H, n, D], a head slice, an expanded row
+    x = torch.randn(2, 5, 3, 64, generator=g).to(dtype)
+    for xx in (x.transpose(1, 2), x[:, 1:4, 1:], x[:1, :1, :1].expand(2, 3, 4, 64), x[0, 0, 0]):
+        got = cpu_kernel.fwht(xx, 64, 0.125)
+        assert got.is_contiguous() and torch.equal(got, (hadamard.fwht(xx.float(), 64) * 0.125).to(dtype))
+    # refused (PyTorch computes it): more than 4 dims, a strided last dim
+    assert cpu_kernel.fwht(x[None], 64, 0.125) is None and cpu_kernel.fwht(x[..., ::2], 32, 0.125) is None
 
 
 @pytest.mark.parametrize("k_t, v_t, maps", [

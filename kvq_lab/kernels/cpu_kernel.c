@@ -702,6 +702,27 @@ void kvq_fwht(int64_t x, int64_t rows, int64_t D, int64_t n, float scale) {
     }
 }
 
+/* kvq_fwht of a copy: the rows of src (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`), rows of D consecutive
+   elements at src + i0 * s0 + i1 * s1 + i2 * s2 (element strides, i0 < n0, i1 < n1, i2 < n2), converted exactly to
+   fp32 into the contiguous rows of dst [n0][n1][n2][D], then transformed there (the same bits as kvq_fwht on a
+   converted copy). One call where PyTorch made a contiguous fp32 copy first: the transform of each new key and value,
+   every layer and decode step. */
+void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                   int64_t s2, int64_t dst, int64_t D, int64_t n, float scale) {
+    float *out = (float *)dst;
+    const int64_t esize = dtype == 0 ? 4 : 2;
+    for (int64_t i0 = 0; i0 < n0; i0++)
+        for (int64_t i1 = 0; i1 < n1; i1++)
+            for (int64_t i2 = 0; i2 < n2; i2++, out += D) {
+                const int64_t at = (int64_t)src + (i0 * s0 + i1 * s1 + i2 * s2) * esize;
+                if (dtype == 0)
+                    memcpy(out, (const float *)at, (size_t)D * sizeof *out);
+                else
+                    exact_row(at, 0, dtype, D, out);
+                kvq_fwht((int64_t)out, 1, D, n, scale);
+            }
+}
+
 /* Tasks (chunk, b, kv head) over `threads` OpenMP threads, chunk-major: a thread's consecutive tasks cover the same
    positions for every row and head, so under rope=pre the table rows of a chunk (256 B per position: cos and sin,
    fp32) are read from memory once per layer and then from the L1/L2 cache, where head-major order read the whole

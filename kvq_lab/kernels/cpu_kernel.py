@@ -144,8 +144,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
     lib.kvq_any_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.kvq_any_nonfinite.restype = ctypes.c_int64
-    lib.kvq_fwht.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
-    lib.kvq_fwht.restype = None
+    lib.kvq_fwht_copy.argtypes = [ctypes.c_int64] * 11 + [ctypes.c_float]
+    lib.kvq_fwht_copy.restype = None
     return lib
 
 
@@ -173,22 +173,27 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def fwht_(y: torch.Tensor, n: int, scale: float) -> bool:
-    """`hadamard.fwht(y, n) * scale` computed in place in one native call, the same bits: y a contiguous fp32 CPU
-    tensor [..., D], D a multiple of n. False (y untouched) where the kernel does not build here: the caller computes
-    it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`)."""
-    if _ERROR is not None or not (y.is_cpu and y.dtype is torch.float32 and y.is_contiguous()):
-        return False
+def fwht(x: torch.Tensor, n: int, scale: float) -> torch.Tensor | None:
+    """`hadamard.fwht(x, n) * scale` in x's dtype as a new contiguous tensor, the same bits, in one native call that
+    reads x where it is (fp32, fp16 or bf16 CPU, up to 4 dims, the last one unit-stride: e.g. the projections'
+    transposed keys and values). None where it cannot (other tensors, or the kernel does not build here): the caller
+    computes it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`): each new key and value,
+    every layer and step, where a PyTorch copy and an in-place call cost about four times as much."""
+    code = DTYPES.get(x.dtype)
+    if _ERROR is not None or code is None or not x.is_cpu or x.dim() > 4 or (x.numel() and x.stride(-1) != 1):
+        return None
     try:
         lib = load()
     except KernelBuildError:
-        return False
-    D = y.shape[-1]
-    lib.kvq_fwht(y.data_ptr(), y.numel() // D if D else 0, D, n, scale)
-    return True
+        return None
+    pad = 4 - x.dim()
+    lead, strides = (1,) * pad + x.shape[:-1], (0,) * pad + x.stride()[:-1]
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.kvq_fwht_copy(x.data_ptr(), code, *lead, *strides, y.data_ptr(), x.shape[-1], n, scale)
+    return y if code == 0 else y.to(x.dtype)
 
 
-register_fast("cpu", fwht_)
+register_fast("cpu", fwht)
 
 
 def _dense(t: torch.Tensor) -> bool:

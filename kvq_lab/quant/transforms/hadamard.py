@@ -44,24 +44,19 @@ def block_arg(name: str, arg: str, example: int, hint: str = "") -> int:
     return n
 
 
-_FAST: dict = {}  # device type -> fn(y, n, scale) -> bool: fwht(y, n) * scale in place, or False (not here)
+_FAST: dict = {}  # device type -> fn(x, n, scale): fwht(x, n) * scale in x's dtype, or None (not here)
 
 
 def register_fast(device_type: str, fn) -> None:
-    """Register a native `fwht(y, n) * scale` for tensors on `device_type`: fn(y, n, scale) transforms a contiguous
-    fp32 y [..., D] in place with the same bits and returns True, or returns False and leaves y alone."""
+    """Register a native `fwht(x, n) * scale` for tensors on `device_type`: fn(x, n, scale) returns it as a new
+    tensor in x's dtype with the same bits, or None where it cannot (x stays untouched either way)."""
     _FAST[device_type] = fn
 
 
 def _native(x, n: int):
     """fwht(x, n) * n^-1/2 in x's dtype by the native transform registered for x's device, or None (none here)."""
     fast = _FAST.get(x.device.type)
-    if fast is None:
-        return None
-    import torch
-
-    y = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    return y.to(x.dtype) if fast(y, n, n**-0.5) else None
+    return None if fast is None else fast(x, n, n**-0.5)
 
 
 def fwht(x, n: int):
