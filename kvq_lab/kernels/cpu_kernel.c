@@ -731,7 +731,7 @@ void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n
    query head are combined (the same order as before: the same bits). Built
    with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
    so these threads are PyTorch's own intra-op pool: a second pool would compete with its spinning workers.
-   hadamard (qn, on): the query is mapped into the keys' basis first (a copy, kvq_fwht) and each output row back
+   hadamard (qn, on): the query is mapped into the keys' basis first (a copy, kvq_fwht_copy) and each output row back
    from the values' basis at the end, the maps `kvq_sdpa` would make around the call, bit for bit in fp32.
    Returns the number of rope=pre key rows whose position id is outside the table (0: the output is valid; -1: no
    memory for the query's copy). */
@@ -743,10 +743,8 @@ int64_t kvq_decode_attention(const Args *args, int64_t threads, float scaling) {
         const int64_t rows = args->B * args->Hq, D = args->D;
         qh = (float *)malloc((size_t)(rows * D) * sizeof *qh);
         if (!qh) return -1;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(qh + i * D, (const float *)args->q + (i / args->Hq) * args->qb + (i % args->Hq) * args->qh,
-                   (size_t)D * sizeof *qh);
-        kvq_fwht((int64_t)qh, rows, D, args->qn, (float)pow((double)args->qn, -0.5));
+        kvq_fwht_copy(args->q, 0, 1, args->B, args->Hq, 0, args->qb, args->qh, (int64_t)qh, D, args->qn,
+                      (float)pow((double)args->qn, -0.5));
         local.q = (int64_t)qh, local.qb = args->Hq * D, local.qh = D;
     }
     const int64_t D = a->D, r = a->Hq / a->Hkv, C = (a->N + a->chunk - 1) / a->chunk;

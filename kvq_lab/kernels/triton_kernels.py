@@ -647,7 +647,8 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
                 "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
-                "without `rope` and `pads` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
+                "without `rope`, `pads` and `hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.attention "
+                "does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
     B, Hq, _, D = query.shape
