@@ -113,6 +113,27 @@ def test_position_ids_outside_the_table_fail():
         cpu_kernel.decode_attention(bad, torch.randn(1, 4, 1, 64), None, 0.125)
 
 
+def test_position_ids_are_kept_as_given():
+    """The layer's position-id buffer (what rope=pre rotates with, in the kernel and the PyTorch path alike) holds
+    each update's ids at its cache positions: a prefill, then decode steps one column each, across the
+    buffer's growth (POS_CHUNK), with ids of the caller's own (per row, not consecutive)."""
+    from kvq_lab.cache.packed import POS_CHUNK
+
+    layer = layer_of((2, 32, "channel"), (2, 32, "token"), 32, 0, 64)
+    B, L = 2, POS_CHUNK - 3
+    first = torch.arange(L)[None].expand(B, L) + torch.tensor([[0], [7]])
+    layer.update(torch.randn(B, 2, L, 64), torch.randn(B, 2, L, 64), kwargs={"position_ids": first})
+    want = [first]
+    for t in range(8):  # past the first POS_CHUNK columns: the buffer grows, its first columns kept
+        ids = torch.tensor([[L + t], [L + 7 + 3 * t]])  # row 1's ids are not consecutive
+        layer.update(torch.randn(B, 2, 1, 64), torch.randn(B, 2, 1, 64), kwargs={"position_ids": ids})
+        want.append(ids)
+    want = torch.cat(want, 1).to(torch.int32)
+    assert layer.N == L + 8 and layer._pos.shape[1] >= 2 * POS_CHUNK
+    assert torch.equal(layer._pos[:, : layer.N], want) and layer._pos_top == int(want.max())
+    assert layer.view_for(ROPE).rope.pos is layer._pos  # the kernel reads this very buffer
+
+
 def gen(model, cache, ids, n, mask=None):
     with torch.no_grad():
         out = model.generate(
