@@ -55,6 +55,13 @@ class Timed:
             self.seconds += time.perf_counter() - t
 
 
+def build_kernel(src: Path):
+    """The CPU kernel library built from the source `src` (any cpu_kernel.c variant), loaded; it is also left as the
+    library `cpu_kernel` calls until `ck._LIB` is set to another."""
+    ck.SOURCE, ck._LIB, ck._ERROR = src, None, None
+    return ck.load()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("pairs", nargs="+", help="kind:source (kind: post, pre, hadamard)")
@@ -72,8 +79,7 @@ def main() -> None:
     libs = {}
     for _, _, src in pairs:  # one build per distinct source
         if src not in libs:
-            ck.SOURCE, ck._LIB, ck._ERROR = src, None, None
-            libs[src] = Timed(ck.load())
+            libs[src] = Timed(build_kernel(src))
     torch.set_num_threads(2)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     model, tok = load_model("smollm2-135m", dtype=dtype, device="cpu")

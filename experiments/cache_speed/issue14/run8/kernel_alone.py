@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[4]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "scripts"),
+    str(ROOT / "tests"),
+    str(Path(__file__).resolve().parents[1] / "run6"),
+]
 
+from inmodel_ab import build_kernel  # noqa: E402
 from test_fast_path import layer_of  # noqa: E402
 
 from kvq_lab.kernels import cpu_kernel as ck  # noqa: E402
@@ -38,10 +44,7 @@ def main() -> None:
         if not src.is_file():
             raise SystemExit(f"no kernel source {src}: give paths of cpu_kernel.c variants")
     torch.set_num_threads(2)
-    libs = []
-    for src in args.sources:
-        ck.SOURCE, ck._LIB, ck._ERROR = src, None, None
-        libs.append(ck.load())
+    libs = [build_kernel(src) for src in args.sources]
     N = args.length
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 3, N, 64, generator=g), torch.randn(1, 3, N, 64, generator=g)
