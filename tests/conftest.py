@@ -67,12 +67,21 @@ def left_padded_prompts(lengths: list[int], seed: int = 13, vocab: int = 256) ->
 
 def spy_cpu_kernel(monkeypatch, what=lambda view: True) -> list:
     """Record what(view) for every call of the CPU kernel's decode attention (the kernel still runs): the list fills
-    as the test generates."""
+    as the test generates. A kept call (`cpu_kernel.KeptCall`, the layer's next steps) counts with the view it was
+    made from, when it runs (not when it hands the step back: the layer then calls `decode_attention`)."""
     from kvq_lab.kernels import cpu_kernel
 
     seen = []
-    real = cpu_kernel.decode_attention
+    real, real_kept = cpu_kernel.decode_attention, cpu_kernel.KeptCall.__call__
+
+    def kept(self, *a):
+        out = real_kept(self, *a)
+        if out is not None:
+            seen.append(what(self.view))
+        return out
+
     monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(what(view)) or real(view, *a))
+    monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", kept)
     return seen
 
 

@@ -16,6 +16,7 @@ from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
+from kvq_lab.quant.formats import FORMATS, default_bits
 from kvq_lab.quant.spec import QuantSpec
 
 # (key axis, value axis, key bits, value bits, sinks, R, D, G, query heads per kv head, batch, tokens)
@@ -332,3 +333,84 @@ def test_the_kernel_maps_the_hadamard_query_and_output(k_t, v_t, maps):
     assert torch.equal(got, vp.fold_output(plain) if vp is not None else plain)
     with pytest.raises(Unsupported):
         decode_attention_torch(view, q, None, 0.125)
+
+
+# --- kept calls: the argument block of an earlier step's view, what moves written in ------------------------------
+
+
+def _kept_variants() -> dict[str, dict]:
+    from kvq_lab.quant.transforms.rotatekv import RotateKV
+
+    return {
+        "plain": {},
+        "sinks": {"sink_tokens": 3},
+        "rope_pre": {"rope": "pre", "sink_tokens": 2},
+        # per-token keys, no window: the history reaches the rope position buffer's new columns one step after it
+        # grew, before any store grows
+        "rope_pre_tokens": {"rope": "pre", "sink_tokens": 2, "residual_length": 0, "key_axis": "token"},
+        "hadamard": {"key_transform": ("hadamard",), "value_transform": ("hadamard",), "sink_tokens": 2},
+        # a foldable key pipeline kvq_sdpa maps (the query folded, the sinks mapped every step), values in the kernel
+        "folded": {"key_transform": (RotateKV.example().spelling,), "value_transform": ("hadamard",), "sink_tokens": 2},
+    }
+
+
+def _step_logits(model, cfg: CacheConfig, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decode, the last position's logits of the prefill and of every step: [B, steps, vocab]."""
+    from kvq_lab.models import cache_kwarg
+
+    kw = {cache_kwarg(): QuantizedKVCache.for_model(model, cfg), "use_cache": True}
+    out = []
+    with torch.no_grad():
+        logits = model(ids, **kw).logits[:, -1:]
+        for _ in range(steps):
+            out.append(logits)
+            logits = model(logits.argmax(-1), **kw).logits[:, -1:]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("variant", ["plain", "sinks", "rope_pre", "rope_pre_tokens", "hadamard", "folded"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):  # noqa: F811
+    """A layer keeps its kernel call between decode steps (`cpu_kernel.KeptCall`); every step's logits are, bit for
+    bit, those of building each step's view (keeping switched off), for every registered format, sinks, rope=pre,
+    the hadamard maps in the kernel and a pipeline kvq_sdpa folds; across window flushes, store growth, rope position
+    buffer growth and a history that appears after the call was kept (a prompt shorter than the window). And the kept
+    calls are what ran: the view is built again only when a store grew (or the call handed a step back)."""
+    kw = {"residual_length": 32, **_kept_variants()[variant]}
+    bits = default_bits(fmt)
+    cfg = CacheConfig(
+        key=QuantSpec(bits, 32, kw.pop("key_axis", "channel"), fmt), value=QuantSpec(bits, 32, "token", fmt),
+        mode="packed", backend="cpu", **kw,
+    )  # fmt: skip
+    kept = []
+    real = cpu_kernel.KeptCall.__call__
+    monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
+    for prompt in (20, 75):  # 20: no value history yet when the first call is kept
+        ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+        with_kept = _step_logits(tiny, cfg, ids, 250)  # past 256 positions: the rope position buffer grows
+        assert len(kept) > 200 * tiny.config.num_hidden_layers, len(kept)
+        monkeypatch.setattr(backends_mod.CpuBackend, "keep", staticmethod(lambda view, query: None))
+        assert torch.equal(with_kept, _step_logits(tiny, cfg, ids, 250))
+        monkeypatch.undo()
+        monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
+        kept.clear()
+
+
+def test_a_kept_call_hands_back_what_it_cannot_take(tiny):  # noqa: F811
+    """A kept call returns None (the layer then builds the view) for a query of another dtype or shape, a history
+    where the kept view had none, and a mask that differs between query heads; and runs for the same query."""
+    layer = PackedLayer(
+        CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                    residual_length=32, backend="cpu"), None, PaddingState())  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    layer.update(torch.randn(1, 2, 20, 64, generator=g), torch.randn(1, 2, 20, 64, generator=g))
+    view, q = layer.decode_view(), torch.randn(1, 4, 1, 64, generator=g)
+    call = cpu_kernel.KeptCall.make(view, q)
+    ks, vs = layer.k_stream.moving(layer.N), layer.v_stream.moving(layer.N)
+    parts = (layer.N, 0, (*ks, layer.sink_k), (*vs, layer.sink_v))
+    assert torch.equal(call(q, None, 0.125, *parts), cpu_kernel.decode_attention(view, q, None, 0.125))
+    assert call(q.double(), None, 0.125, *parts) is None
+    assert call(torch.randn(1, 4, 1, 64)[:, :2], None, 0.125, *parts) is None
+    assert call(q, torch.zeros(1, 4, 1, layer.N, dtype=torch.bool), 0.125, *parts) is None
+    grown = (layer.N, 0, (*ks, layer.sink_k), (1, *vs[1:], layer.sink_v))  # values' history: none when kept
+    assert call(q, None, 0.125, *grown) is None

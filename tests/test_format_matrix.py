@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import spy_cpu_kernel
 from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
 
 import kvq_lab.quant.formats as formats
@@ -302,9 +303,7 @@ def test_the_table_is_counted_once_per_tensor():
 def test_generation_with_every_format(tiny, name, bits, monkeypatch):  # noqa: F811
     """backend=cpu and backend=torch generate the same tokens, decode steps go through the kernel, and the format
     changes the output (a 2-bit cache differs from fp8 on the same prompt, int from lut at 2 bits)."""
-    calls = []
-    real = cpu_kernel.decode_attention
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    calls = spy_cpu_kernel(monkeypatch)  # built views and kept calls
     ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(4))
     out = {}
     for backend in ("cpu", "torch"):

@@ -152,9 +152,17 @@ if importlib.util.find_spec("triton") and os.environ.get("TRITON_INTERPRET") == 
 def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, monkeypatch):
     """Packed mode: the fused decode path (kvq_sdpa; a foldable transform maps the query and the output around the
     kernel, another comes undone in the view) gives the logits of attention over the materialized cache."""
-    calls = []
-    view = PackedLayer.decode_view
+    calls = []  # fused steps: a view built, or a call kept from an earlier step's view that ran (backend=cpu)
+    view, kept = PackedLayer.decode_view, cpu_kernel.KeptCall.__call__
+
+    def kept_ran(self, *a):
+        out = kept(self, *a)
+        if out is not None:
+            calls.append(1)
+        return out
+
     monkeypatch.setattr(PackedLayer, "decode_view", lambda self: calls.append(1) or view(self))
+    monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", kept_ran)
     kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
     cfg = CacheConfig(kspec, vspec, mode="packed", residual_length=32, sink_tokens=2, backend=backend,
                       **transforms_of(spelling, "both"))  # fmt: skip

@@ -67,14 +67,24 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     kp, vp = layer.k_pipe, layer.v_pipe
+    kept = layer.kept_call()  # an earlier step's call, with the maps made around it then
+    if kept is not None:
+        call, fold_q, fold_o = kept[:3]
+        out = call(kp.fold_query(query) if fold_q else query, attention_mask, scaling, *layer.moving())
+        if out is not None:
+            return (vp.fold_output(out) if fold_o else out), None
     view = layer.decode_view()  # with the extensions the layer's backend reads (`Backend.features`)
     # a history dequantized in the view (a pipeline undone there, sparse outliers): only the PyTorch path reads it
     undone = view.keys.history is not None or view.values.history is not None
     fused = decode_attention_torch if undone else layer.backend.decode_attention
     maps = view.hadamard or (0, 0)  # the hadamard maps the kernel makes itself (keys', values')
-    q = kp.fold_query(query) if kp is not None and kp.foldable and not maps[0] else query  # keys as k M: q M · k M
+    fold_q = kp is not None and kp.foldable and not maps[0]
+    fold_o = vp is not None and vp.foldable and not maps[1]
+    q = kp.fold_query(query) if fold_q else query  # keys as k M: q M · k M
     try:
         out = fused(view, q, attention_mask, scaling)  # [B, 1, Hq, D]
+        if not undone:
+            layer.keep(view, q, fold_q, fold_o)  # the next steps' call, while the layer's stored tensors stay
     except Unsupported:  # a view with an extension the kernel cannot take with this query or mask (checked first)
         if view.pads is not None:  # a padded batch: the model's SDPA over full K/V
             k, v = layer.materialize()
@@ -83,9 +93,9 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
             )
         view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history; the maps made here
         q = kp.fold_query(query) if kp is not None and kp.foldable else query
-        maps = (0, 0)
+        fold_o = vp is not None and vp.foldable
         out = decode_attention_torch(view, q, attention_mask, scaling)
-    if vp is not None and vp.foldable and not maps[1]:
+    if fold_o:
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
 

@@ -12,6 +12,9 @@ A backend is a namespace with one protocol (`Backend`); the cache calls these an
                                                 the view without it)
     all_finite(*tensors)                        whether no element is NaN or inf (the layer's check of each new
                                                 key and value, every step)
+    keep(view, query)                           optional: decode_attention over `view` kept for the next steps
+                                                (a callable taking the step's moving parts, `cpu_kernel.KeptCall`),
+                                                or None; the layer keeps it while its stored tensors stay
 
 `torch` is the pure-PyTorch path; `cpu` adds the C decode-attention kernel (quantization and storage are torch's,
 so the bits are the same); `triton` quantizes, packs, dequantizes and attends with the Triton kernels, imported only
@@ -87,6 +90,10 @@ class CpuBackend(TorchBackend):
     def decode_attention(view, query, mask, scaling):
         # looked up at call time, so a test can wrap the kernel and count the calls
         return cpu_kernel.decode_attention(view, query, mask, scaling)
+
+    @staticmethod
+    def keep(view, query):
+        return cpu_kernel.KeptCall.make(view, query)
 
     all_finite = staticmethod(cpu_kernel.all_finite)
 

@@ -137,6 +137,7 @@ class PackedLayer(QuantizedLayerBase):
         self._pos: torch.Tensor | None = None
         self._pos_top = -1  # the largest of them (the rope table must cover it)
         self._rope: RopeView | None = None  # the latest `_rope_view`
+        self._kept = None  # (kept call, fold query, fold output, stores' generations, rope view): `kept_call`
 
     # -- hooks ---------------------------------------------------------------------------------------------------
     @staticmethod
@@ -309,17 +310,50 @@ class PackedLayer(QuantizedLayerBase):
         return self._rope
 
     def _stream_view(self, stream, sink, pipe):
-        N = self.N
-        if pipe is None:
-            return stream.view(N, sink, self.pads, None)
-        if pipe.foldable:
-            # attention runs in the pipeline's basis (kvq_sdpa maps the query and the output): history and window
-            # are stored in it, the exact sinks are mapped into it for this step (a few tokens; a padded row's sinks
-            # are its own first tokens, all S of them mapped)
-            s = min(self.cfg.sink_tokens, N) if self.uniform else self.cfg.sink_tokens
-            return stream.view(N, pipe.forward(sink[:, :, :s]) if s else sink, self.pads, None)
+        if pipe is None or pipe.foldable:
+            return stream.view(self.N, self._view_sink(sink, pipe), self.pads, None)
         # undone for the PyTorch path: the history as it is dequantized (the stream calls back); the window is exact
-        return stream.view(N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
+        return stream.view(self.N, sink, self.pads, lambda x, a: self._undo(pipe, x, a))
+
+    def _view_sink(self, sink, pipe):
+        """The sinks a view carries: as stored, or, under a foldable pipeline, mapped into its basis for this step:
+        attention runs there (kvq_sdpa maps the query and the output), history and window are stored in it (a few
+        tokens; a padded row's sinks are its own first tokens, all S of them mapped)."""
+        if pipe is None or not pipe.foldable:
+            return sink
+        s = min(self.cfg.sink_tokens, self.N) if self.uniform else self.cfg.sink_tokens
+        return pipe.forward(sink[:, :, :s]) if s else sink
+
+    # -- kept decode calls ---------------------------------------------------------------------------------------
+    def keep(self, view: DecodeView, query, fold_query: bool, fold_output: bool) -> None:
+        """Keep the backend's call over `view` (this step's, which the backend has just read) for the next steps
+        (`Backend.keep`: the CPU kernel's `KeptCall`), with whether `kvq_sdpa` mapped the query and the output around
+        it. Nothing is kept where the backend keeps no call or cannot for this view."""
+        keep = getattr(self.backend, "keep", None)
+        call = keep(view, query) if keep is not None else None
+        gens = (self.k_stream.store.generation, self.v_stream.store.generation)
+        self._kept = None if call is None else (call, fold_query, fold_output, gens, view.rope)
+
+    def kept_call(self):
+        """(call, fold query, fold output) kept by `keep` while this layer's stored tensors are the ones it was made
+        over (no store has grown, the same rope table and position ids), else None. Called with `moving()`."""
+        k = self._kept
+        if k is None or k[3] != (self.k_stream.store.generation, self.v_stream.store.generation):
+            return None
+        if k[4] is not None and self._rope_view() is not k[4]:
+            return None
+        return k
+
+    def moving(self) -> tuple:
+        """What this decode step moves in the layer's view (a kept call's arguments, `KeptCall.__call__`): N, the
+        sinks attended, and per stream (history n, window w, window tensor, sinks tensor)."""
+        N = self.N
+        kpipe = None if self._kept[4] is not None else self.k_pipe  # rope=pre in the kernel: keys' sinks as stored
+        ks, vs = self.k_stream.moving(N), self.v_stream.moving(N)
+        return (
+            N, min(self.cfg.sink_tokens, N),
+            (*ks, self._view_sink(self.sink_k, kpipe)), (*vs, self._view_sink(self.sink_v, self.v_pipe)),
+        )  # fmt: skip
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Full K, V [B, H, N, D] in the model's dtype: sinks exact, history dequantized, window exact, transforms

@@ -40,6 +40,8 @@ class PackedStore:
         self.zero: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.length = 0  # storage positions written (the furthest row)
+        self.generation = 0  # bumped whenever codes, scale or zero become new tensors (growth): a kept kernel call
+        # (`kvq_lab.kernels.cpu_kernel.KeptCall`) holds their addresses until then
         self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the stream at prefill
         self.bits = self.format.code_bits
         u, nb = word_layout(self.bits)
@@ -59,9 +61,11 @@ class PackedStore:
             self.zero = self.scale.clone() if "zero" in self.format.params else None
             self.table = None if self.format.codes_are_values else self.format.table(like.device)
         if rows > self.codes.shape[2]:
+            self.generation += 1
             self.codes = torch.cat([self.codes, self.codes.new_zeros(B, H, rows - self.codes.shape[2], D)], 2)
         n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
         if n_par > self.scale.shape[2]:
+            self.generation += 1
             extra = self.scale.new_zeros(B, H, n_par - self.scale.shape[2], self.scale.shape[3])
             self.scale = torch.cat([self.scale, extra], 2)
             if self.zero is not None:

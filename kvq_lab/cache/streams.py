@@ -7,6 +7,7 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     materialize(N, sink, pads, rotate)   full [B, H, N, D]: sinks exact, history dequantized, window exact
     view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (a padded batch: with per-row
                                  `starts` and `counts`, see `kvq_lab.kernels.view`)
+    moving(N)                    what a decode step moves in that view without padding: (n, w, window)
     nbytes()                     bytes held
     quantized                    whether the stream stores codes (False: the exact 16-bit stream)
 
@@ -116,12 +117,18 @@ class _QuantizedStream(ABC):
             deq = rotate(deq, self.slot_positions(q, pads, deq.device))
         return deq
 
-    def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
+    def moving(self, N: int) -> tuple[int, int, torch.Tensor]:
+        """What a decode step moves in a batch without padding's view: quantized history tokens n, window tokens w
+        and the window [B, H, W, D] (its last w rows), at N cached positions."""
         q = self.n_quantized(N)
+        return q, max(0, N - self.S) - q, self.window
+
+    def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
+        q, w, _ = self.moving(N)
         st = self.store
         # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers): dequantized here
         deq = self.history(q, pads, rotate) if (rotate is not None or st.outliers is not None) and q else None
-        w, starts, counts = max(0, N - self.S) - q, None, None
+        starts = counts = None
         if any(pads):  # per-row layouts: the kernel reads each row's own (codes are never dequantized here)
             if deq is not None:
                 raise ValueError("a padded batch's view carries codes only: build it without transforms to undo")

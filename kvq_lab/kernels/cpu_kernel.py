@@ -144,8 +144,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
     lib.kvq_any_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.kvq_any_nonfinite.restype = ctypes.c_int64
-    lib.kvq_fwht_copy.argtypes = [ctypes.c_int64] * 11 + [ctypes.c_float]
-    lib.kvq_fwht_copy.restype = None
+    lib.kvq_fwht_block.argtypes = [ctypes.c_void_p, ctypes.c_float]
+    lib.kvq_fwht_block.restype = None
     return lib
 
 
@@ -178,19 +178,42 @@ def fwht(x: torch.Tensor, n: int, scale: float) -> torch.Tensor | None:
     reads x where it is (fp32, fp16 or bf16 CPU, up to 4 dims, the last one unit-stride: e.g. the projections'
     transposed keys and values). None where it cannot (other tensors, or the kernel does not build here): the caller
     computes it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`): each new key and value,
-    every layer and step, where a PyTorch copy and an in-place call cost about four times as much."""
+    every layer and step, where a PyTorch copy and an in-place call cost about four times as much. The call's
+    integer arguments go as one block (`kvq_fwht_block`), their layout part kept per dtype, shape, strides and n."""
+    if _ERROR is not None or not x.is_cpu:
+        return None
+    shape = x.shape
+    key = (x.dtype, shape, x.stride(), n)
+    layout = _FWHT_LAYOUTS.get(key)
+    if layout is None:
+        layout = _FWHT_LAYOUTS[key] = _fwht_layout(x, n)
+        if len(_FWHT_LAYOUTS) > 256:  # one per prompt length at prefill: keep the dict small
+            _FWHT_LAYOUTS.clear()
+    if layout is False:
+        return None
+    y = _F32.new_empty(shape)
+    block = array.array("q", (x.data_ptr(), y.data_ptr(), *layout))  # lives until the call returns
+    load().kvq_fwht_block(block.buffer_info()[0], scale)
+    return y if layout[0] == 0 else y.to(x.dtype)
+
+
+_FWHT_LAYOUTS: dict = {}
+_F32 = torch.empty(0, dtype=torch.float32)  # `new_empty` from it: fp32 whatever the default dtype, without kwargs
+
+
+def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | bool:
+    """dtype, n0, n1, n2, s0, s1, s2, D, n of `kvq_fwht_block`'s block for tensors laid out as x (the rows of x as
+    up to three leading dims with their strides), or False where the native transform cannot take them."""
     code = DTYPES.get(x.dtype)
-    if _ERROR is not None or code is None or not x.is_cpu or x.dim() > 4 or (x.numel() and x.stride(-1) != 1):
-        return None
+    if code is None or x.dim() > 4 or (x.numel() and x.stride(-1) != 1):
+        return False
     try:
-        lib = load()
+        load()
     except KernelBuildError:
-        return None
+        return False
     pad = 4 - x.dim()
     lead, strides = (1,) * pad + x.shape[:-1], (0,) * pad + x.stride()[:-1]
-    y = torch.empty(x.shape, dtype=torch.float32)
-    lib.kvq_fwht_copy(x.data_ptr(), code, *lead, *strides, y.data_ptr(), x.shape[-1], n, scale)
-    return y if code == 0 else y.to(x.dtype)
+    return (code, *lead, *strides, x.shape[-1], n)
 
 
 register_fast("cpu", fwht)
@@ -325,9 +348,8 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     sinks and windows are converted row by row in the kernel; the query (one row per head) here, and the fp32 output
     back."""
     check_codes_only(view, "the CPU kernel")
-    B, Hq, _, D = query.shape
-    N = view.N
-    add = _additive_mask(mask, B, N)  # built once: `supports` would build it again
+    B = query.shape[0]
+    add = _additive_mask(mask, B, view.N)  # built once: `supports` would build it again
     if add is False or not _supports(view, query):
         if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
@@ -335,7 +357,31 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
                 "`hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
+    return _call(view, _arg_block(view, query), query, add, scaling)
+
+
+def _arg_block(view: DecodeView, query: torch.Tensor) -> array.array:
+    """The C `Args` of a call over `view` as an int64 array.array (built from Python ints in C: ~2.5 us, where a
+    ctypes array of the same ~80 fields took ~15 us), less what `_call` writes in: the query, output, mask and
+    scratch addresses."""
+    B, Hq, _, D = query.shape
+    N = view.N
     Hkv = view.keys.sink.shape[1]
+    args = array.array("q", (
+        0, 0, 0, 0, Hq * D, D, 0, 0, 0,
+        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
+        *(view.hadamard or _NO_HADAMARD), *_stream_fields(view.keys), *_stream_fields(view.values),
+    ))  # fmt: skip
+    if len(args) != N_FIELDS:  # the C struct's layout: a missing field would shift every later one
+        raise RuntimeError(f"CPU kernel argument block has {len(args)} fields, the C Args struct {N_FIELDS}")
+    return args
+
+
+def _call(view: DecodeView, args: array.array, query: torch.Tensor, add, scaling: float) -> torch.Tensor:
+    """Run the kernel on `args` (view's block) for this query and additive mask (None: none): the query, output,
+    mask and scratch addresses written in, the output returned in the query's dtype."""
+    B, Hq, _, D = query.shape
+    N, Hkv = args[_A_N], args[_A_HKV]
     dtype = query.dtype
     qs = query.stride()
     if dtype is not torch.float32 or qs[-1] != 1:
@@ -344,16 +390,8 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
     out = torch.empty(B, 1, Hq, D)  # the layout the attention function returns; rows at b * Hq * D + head * D
     chunks = -(-N // CHUNK)
     partial = workspace("partial", B * Hkv * chunks * (Hq // Hkv) * (D + 2), query.device, sliced=False)
-    # the argument block as an int64 array.array: built from Python ints in C (~2.5 us; a ctypes array of the same
-    # ~80 fields took ~15 us, once per layer and step); it lives until the call returns
-    args = array.array("q", (
-        query.data_ptr(), qs[0], qs[1], out.data_ptr(), Hq * D, D,
-        0 if add is None else add.data_ptr(), 0 if add is None else N, partial.data_ptr(),
-        B, Hq, Hkv, D, N, min(view.sink_tokens, N), CHUNK, *_rope_fields(view, N), _pads_field(view, B),
-        *(view.hadamard or _NO_HADAMARD), *_stream_fields(view.keys), *_stream_fields(view.values),
-    ))  # fmt: skip
-    if len(args) != N_FIELDS:  # the C struct's layout: a missing field would shift every later one
-        raise RuntimeError(f"CPU kernel argument block has {len(args)} fields, the C Args struct {N_FIELDS}")
+    args[0], args[1], args[2], args[3] = query.data_ptr(), qs[0], qs[1], out.data_ptr()
+    args[6], args[7], args[8] = (0, 0, partial.data_ptr()) if add is None else (add.data_ptr(), N, partial.data_ptr())
     bad = load().kvq_decode_attention(args.buffer_info()[0], torch.get_num_threads(), scaling)
     if bad < 0:
         raise MemoryError(f"the CPU kernel could not allocate the query's copy ({B * Hq * D} floats)")
@@ -363,3 +401,54 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
             f"[0, {view.rope.cos.shape[0]}): build the table over every id in RopeView.pos"
         )
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+_A_N, _A_S, _A_HKV = (ARG_FIELDS.index(f) for f in ("N", "s", "Hkv"))
+# per stream: where its fields start in the block, and the offsets of those a decode step moves
+_K0, _V0 = len(ARG_FIELDS), len(ARG_FIELDS) + len(STREAM_FIELDS)
+_S_N, _S_WIN, _S_W, _S_SINK = (STREAM_FIELDS.index(f) for f in ("n", "win", "w", "sink"))
+
+
+class KeptCall:
+    """`decode_attention` over one layer's views, kept from one decode step to the next: the argument block of the
+    view it was made from, with only what a step moves written in (N, the attended sinks, and per stream the history
+    length, the window's rows and length, the sinks' tensor) instead of ~80 fields rebuilt from a new view (in the
+    model, ~150 us of Python per layer and step). The caller (the cache layer, `kvq_lab.cache.packed`) keeps it only
+    while the view's other tensors are the same (codes, parameters, window buffer, rope table and positions) and
+    calls it with the view's moving parts; where a step moves anything else (a history appears where there was none,
+    another query layout, a mask the kernel cannot take) it returns None and the caller builds a new view."""
+
+    __slots__ = ("view", "args", "qkey", "has")
+
+    def __init__(self, view: DecodeView, args: array.array, query: torch.Tensor):
+        self.view, self.args = view, args
+        self.qkey = (query.dtype, query.shape)
+        self.has = (args[_K0] != 0, args[_V0] != 0)  # a history in the block (its codes' address), per stream
+
+    @classmethod
+    def make(cls, view: DecodeView, query: torch.Tensor) -> KeptCall | None:
+        """A kept call for the views of which `view` is the first (None where `decode_attention` would not run the
+        kernel on it: a dequantized history, a padded batch, a query it cannot take)."""
+        if view.pads is not None or view.keys.history is not None or view.values.history is not None:
+            return None
+        if not _supports(view, query):
+            return None
+        return cls(view, _arg_block(view, query), query)
+
+    def __call__(self, query, mask, scaling: float, N: int, s: int, keys: tuple, values: tuple):
+        """This step's `decode_attention` over the kept view with N positions, s attended sinks, and per stream
+        keys / values = (history length n, window w, window tensor [B, H, W, D], sinks tensor); None where the step
+        moved something else (the caller then builds the view)."""
+        if (query.dtype, query.shape) != self.qkey or (keys[0] > 0) != self.has[0] or (values[0] > 0) != self.has[1]:
+            return None
+        add = _additive_mask(mask, query.shape[0], N)
+        if add is False:
+            return None
+        a = self.args
+        a[_A_N], a[_A_S] = N, s
+        for base, (n, w, window, sink) in ((_K0, keys), (_V0, values)):
+            ss = sink.stride()
+            a[base + _S_N], a[base + _S_WIN], a[base + _S_W] = n, window.data_ptr(), w
+            a[base + _S_SINK], a[base + _S_SINK + 1], a[base + _S_SINK + 2], a[base + _S_SINK + 3] = (
+                sink.data_ptr(), ss[0], ss[1], ss[2])  # fmt: skip
+        return _call(self.view, a, query, add, scaling)

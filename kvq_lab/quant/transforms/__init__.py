@@ -45,7 +45,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from kvq_lab.quant.spec import QuantConfigError
@@ -257,14 +257,15 @@ class Pipeline:
 
     transforms: tuple[Transform, ...]
 
-    @property
+    @cached_property
     def positional(self) -> bool:
         """Some transform reads `Positions`."""
         return any(t.positional for t in self.transforms)
 
-    @property
+    @cached_property
     def foldable(self) -> bool:
-        """Every transform folds into attention, so the whole pipeline does (query: `forward`, output: `inverse`)."""
+        """Every transform folds into attention, so the whole pipeline does (query: `forward`, output: `inverse`).
+        Kept once computed (the transforms are fixed): the cache reads it per layer and decode step."""
         return all(t.foldable for t in self.transforms)
 
     def forward(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
