@@ -284,6 +284,8 @@ def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
             ref = (hadamard.fwht(xx.float(), n) * n**-0.5).to(dtype)
             got = t.forward(xx)
             assert got.dtype == dtype and got.shape == xx.shape and torch.equal(got, ref), (n, D, shape)
+            a, b = t.forward_pair(xx, -xx)  # a layer's key and value at once (one native call)
+            assert a.dtype == b.dtype == dtype and torch.equal(a, ref) and torch.equal(b, t.forward(-xx)), (n, D)
             q = xx.float()
             blocks = q.reshape(*q.shape[:-1], D // n, n) @ hadamard.matrix(n)
             scale = float(q.abs().max()) if q.numel() else 1.0
@@ -293,8 +295,13 @@ def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
     for xx in (x.transpose(1, 2), x[:, 1:4, 1:], x[:1, :1, :1].expand(2, 3, 4, 64), x[0, 0, 0]):
         got = cpu_kernel.fwht(xx, 64, 0.125)
         assert got.is_contiguous() and torch.equal(got, (hadamard.fwht(xx.float(), 64) * 0.125).to(dtype))
-    # refused (PyTorch computes it): more than 4 dims, a strided last dim
+    # refused (PyTorch computes it): more than 4 dims, a strided last dim; a pair of two shapes or dtypes
     assert cpu_kernel.fwht(x[None], 64, 0.125) is None and cpu_kernel.fwht(x[..., ::2], 32, 0.125) is None
+    y = x.transpose(1, 2)
+    assert (
+        cpu_kernel.fwht_pair(y, y[:, :, 1:], 64, 0.125) is None and cpu_kernel.fwht_pair(y, y.double(), 64, 1) is None
+    )
+    assert cpu_kernel.fwht_pair(y, x[None], 64, 0.125) is None
 
 
 @pytest.mark.parametrize("k_t, v_t, maps", [

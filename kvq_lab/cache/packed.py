@@ -130,6 +130,7 @@ class PackedLayer(QuantizedLayerBase):
         R, S = cfg.residual_length, cfg.sink_tokens
         self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"))
         self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"))
+        self._fold_pair = self.k_pipe is not None and self.k_pipe.foldable and self.k_pipe == self.v_pipe
         for stream, pipe in ((self.k_stream, self.k_pipe), (self.v_stream, self.v_pipe)):
             if pipe is not None and not pipe.foldable:  # applied as tokens are quantized (the module docstring)
                 stream.encode = self._encoder(pipe)
@@ -165,8 +166,11 @@ class PackedLayer(QuantizedLayerBase):
         if self.positional:
             self._keep_positions(*step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device))
         # what the streams store: foldable transforms applied now, the others as tokens are quantized (`encode`)
-        tk = key_states if self.k_pipe is None or not self.k_pipe.foldable else self.k_pipe.forward(key_states)
-        tv = value_states if self.v_pipe is None or not self.v_pipe.foldable else self.v_pipe.forward(value_states)
+        if self._fold_pair:  # keys and values under one foldable pipeline: both at once (hadamard: one call)
+            tk, tv = self.k_pipe.forward_pair(key_states, value_states)
+        else:
+            tk = key_states if self.k_pipe is None or not self.k_pipe.foldable else self.k_pipe.forward(key_states)
+            tv = value_states if self.v_pipe is None or not self.v_pipe.foldable else self.v_pipe.forward(value_states)
         if not (self.k_stream.quantized or self.v_stream.quantized):  # 16 bits: DynamicCache (bitwise, untransformed)
             self.k_stream.step(tk, self.N, self.pads, None)
             self.v_stream.step(tv, self.N, self.pads, None)

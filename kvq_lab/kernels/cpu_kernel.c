@@ -723,11 +723,13 @@ void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n
             }
 }
 
-/* kvq_fwht_copy with its integer arguments in one int64 block a = {src, dst, dtype, n0, n1, n2, s0, s1, s2, D, n}:
-   the form the caches call, twice per layer and decode step, where converting eleven ctypes arguments took about
-   as long as the transform. */
-void kvq_fwht_block(const int64_t *a, float scale) {
-    kvq_fwht_copy(a[0], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[1], a[9], a[10], scale);
+/* kvq_fwht_copy of `count` tensors, the integer arguments of each in one int64 block of 11,
+   {src, dst, dtype, n0, n1, n2, s0, s1, s2, D, n}, the blocks consecutive at a: the form the caches call (a layer's
+   new key and value at once, every decode step), where converting eleven ctypes arguments per tensor took about as
+   long as the transform. */
+void kvq_fwht_blocks(const int64_t *a, int64_t count, float scale) {
+    for (int64_t i = 0; i < count; i++, a += 11)
+        kvq_fwht_copy(a[0], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[1], a[9], a[10], scale);
 }
 
 /* Tasks (chunk, b, kv head) over `threads` OpenMP threads, chunk-major: a thread's consecutive tasks cover the same

@@ -144,8 +144,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.kvq_decode_attention.restype = ctypes.c_int64  # rope=pre key rows outside the table (0: valid)
     lib.kvq_any_nonfinite.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.kvq_any_nonfinite.restype = ctypes.c_int64
-    lib.kvq_fwht_block.argtypes = [ctypes.c_void_p, ctypes.c_float]
-    lib.kvq_fwht_block.restype = None
+    lib.kvq_fwht_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
+    lib.kvq_fwht_blocks.restype = None
     return lib
 
 
@@ -177,46 +177,66 @@ def fwht(x: torch.Tensor, n: int, scale: float) -> torch.Tensor | None:
     """`hadamard.fwht(x, n) * scale` in x's dtype as a new contiguous tensor, the same bits, in one native call that
     reads x where it is (fp32, fp16 or bf16 CPU, up to 4 dims, the last one unit-stride: e.g. the projections'
     transposed keys and values). None where it cannot (other tensors, or the kernel does not build here): the caller
-    computes it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`): each new key and value,
-    every layer and step, where a PyTorch copy and an in-place call cost about four times as much. The call's
-    integer arguments go as one block (`kvq_fwht_block`), their layout part kept per dtype, shape, strides and n."""
-    if _ERROR is not None or not x.is_cpu:
-        return None
-    shape = x.shape
-    key = (x.dtype, shape, x.stride(), n)
-    layout = _FWHT_LAYOUTS.get(key)
+    computes it in PyTorch. Registered with the hadamard transform (`hadamard.register_fast`), where a PyTorch copy
+    and an in-place call cost about four times as much. The call's integer arguments go as one block
+    (`kvq_fwht_blocks`), their layout part kept per dtype, shape, strides and n."""
+    layout = _fwht_layout(x, n)
     if layout is None:
-        layout = _FWHT_LAYOUTS[key] = _fwht_layout(x, n)
-        if len(_FWHT_LAYOUTS) > 256:  # one per prompt length at prefill: keep the dict small
-            _FWHT_LAYOUTS.clear()
-    if layout is False:
         return None
-    y = _F32.new_empty(shape)
+    y = _F32.new_empty(x.shape)
     block = array.array("q", (x.data_ptr(), y.data_ptr(), *layout))  # lives until the call returns
-    load().kvq_fwht_block(block.buffer_info()[0], scale)
+    load().kvq_fwht_blocks(block.buffer_info()[0], 1, scale)
     return y if layout[0] == 0 else y.to(x.dtype)
+
+
+def fwht_pair(a: torch.Tensor, b: torch.Tensor, n: int, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`fwht(a, n, scale)`, `fwht(b, n, scale)`), the same bits, in one native call and one allocation: a layer's
+    new key and value under one hadamard pipeline, every layer and decode step (two calls cost about twice one in
+    the model). a and b of the same dtype and shape; None where `fwht` would give None for either."""
+    if a.dtype is not b.dtype or a.shape != b.shape:
+        return None
+    la, lb = _fwht_layout(a, n), _fwht_layout(b, n)
+    if la is None or lb is None:
+        return None
+    y = _F32.new_empty((2, *a.shape))
+    p = y.data_ptr()
+    block = array.array("q", (a.data_ptr(), p, *la, b.data_ptr(), p + 4 * a.numel(), *lb))
+    load().kvq_fwht_blocks(block.buffer_info()[0], 2, scale)
+    return (y if la[0] == 0 else y.to(a.dtype)).unbind(0)
 
 
 _FWHT_LAYOUTS: dict = {}
 _F32 = torch.empty(0, dtype=torch.float32)  # `new_empty` from it: fp32 whatever the default dtype, without kwargs
 
 
-def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | bool:
-    """dtype, n0, n1, n2, s0, s1, s2, D, n of `kvq_fwht_block`'s block for tensors laid out as x (the rows of x as
-    up to three leading dims with their strides), or False where the native transform cannot take them."""
+def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
+    """dtype, n0, n1, n2, s0, s1, s2, D, n of `kvq_fwht_blocks`' block for x (its rows as up to three leading dims
+    with their strides), kept per dtype, shape, strides and n; None where the native transform cannot take x."""
+    if _ERROR is not None or not x.is_cpu:
+        return None
+    key = (x.dtype, x.shape, x.stride(), n)
+    layout = _FWHT_LAYOUTS.get(key, False)
+    if layout is False:
+        layout = _FWHT_LAYOUTS[key] = _new_fwht_layout(x, n)
+        if len(_FWHT_LAYOUTS) > 256:  # one per prompt length at prefill: keep the dict small
+            _FWHT_LAYOUTS.clear()
+    return layout
+
+
+def _new_fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
     code = DTYPES.get(x.dtype)
     if code is None or x.dim() > 4 or (x.numel() and x.stride(-1) != 1):
-        return False
+        return None
     try:
         load()
     except KernelBuildError:
-        return False
+        return None
     pad = 4 - x.dim()
     lead, strides = (1,) * pad + x.shape[:-1], (0,) * pad + x.stride()[:-1]
     return (code, *lead, *strides, x.shape[-1], n)
 
 
-register_fast("cpu", fwht)
+register_fast("cpu", fwht, fwht_pair)
 
 
 def _dense(t: torch.Tensor) -> bool:

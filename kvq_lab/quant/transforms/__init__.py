@@ -146,6 +146,13 @@ class Transform(ABC):
     def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
         """Undo `forward`: inverse(forward(x)) == x up to fp32 rounding. [B, H, T, D] in x's dtype."""
 
+    def forward_pair(
+        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(a), forward(b)): a layer's new key and value under one pipeline, every decode step. A transform
+        may make both in one call where that is faster (hadamard's native transform), with the same bits."""
+        return self.forward(a, pos), self.forward(b, pos)
+
     def fold_query(self, q: torch.Tensor) -> torch.Tensor:
         """Foldable transforms: the query [..., D] mapped so that its product with stored keys is q·k (q M^-T, which
         is q M for an orthogonal M), in q's dtype. `forward` by default (orthogonal maps); a transform may compute
@@ -272,6 +279,14 @@ class Pipeline:
         for t in self.transforms:
             x = t.forward(x, pos)
         return x
+
+    def forward_pair(
+        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(a), forward(b)), each transform taking both at once (`Transform.forward_pair`)."""
+        for t in self.transforms:
+            a, b = t.forward_pair(a, b, pos)
+        return a, b
 
     def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:
         for t in reversed(self.transforms):

@@ -45,12 +45,16 @@ def block_arg(name: str, arg: str, example: int, hint: str = "") -> int:
 
 
 _FAST: dict = {}  # device type -> fn(x, n, scale): fwht(x, n) * scale in x's dtype, or None (not here)
+_FAST_PAIR: dict = {}  # device type -> fn(a, b, n, scale): the same for two tensors at once, or None
 
 
-def register_fast(device_type: str, fn) -> None:
+def register_fast(device_type: str, fn, pair=None) -> None:
     """Register a native `fwht(x, n) * scale` for tensors on `device_type`: fn(x, n, scale) returns it as a new
-    tensor in x's dtype with the same bits, or None where it cannot (x stays untouched either way)."""
+    tensor in x's dtype with the same bits, or None where it cannot (x stays untouched either way); pair(a, b, n,
+    scale), if given, returns (fn(a, n, scale), fn(b, n, scale)) in one call, or None (`Hadamard.forward_pair`)."""
     _FAST[device_type] = fn
+    if pair is not None:
+        _FAST_PAIR[device_type] = pair
 
 
 def _native(x, n: int):
@@ -132,6 +136,16 @@ class Hadamard(Transform):
         n = self._n(x.shape[-1])
         y = _native(x, n)
         return y if y is not None else (fwht(x.float(), n) * n**-0.5).to(x.dtype)
+
+    def forward_pair(self, a, b, pos=None):
+        """`forward` of a and b in one native call where one is registered for their device (the same bits)."""
+        pair = _FAST_PAIR.get(a.device.type)
+        if pair is not None and b.device == a.device:
+            n = self._n(a.shape[-1])
+            ys = pair(a, b, n, n**-0.5)
+            if ys is not None:
+                return ys
+        return self.forward(a, pos), self.forward(b, pos)
 
     inverse = forward  # H_n / sqrt(n) is symmetric and orthonormal: its own inverse
 
