@@ -42,7 +42,11 @@ packed bytes (no buffer of the cache's size); `backend=torch`, the pure-PyTorch 
 copied, history unpacked and dequantized in place) and calls SDPA with the query heads grouped per kv head (no
 repeat_kv). Nothing dequantized outlives the step; `nbytes()` counts only what is stored. Without the routing
 (another attention implementation, or a cache built directly), `update` returns dequantized K/V and the model's
-attention runs as usual.
+attention runs as usual. Kept calls: a backend may keep its call over a view for the next steps (`Backend.keep`;
+the CPU kernel's `KeptCall`, its argument block), and the layer keeps it while its stored tensors are the ones the
+view had (`PackedStore.generation` unchanged, the same rope view), handing it each step only what moves (`moving`:
+N, sinks attended, each stream's history length, window and sinks); a step it cannot take it hands back, and the
+view is built. In the model that is ~2 ms of Python less per step at 30 layers (experiments/cache_speed).
 
 Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the quantizer sees T(x) for every token
 after the sinks; sinks stay exact. A pipeline that folds into attention (hadamard: an orthogonal map of the head dim)
