@@ -392,12 +392,13 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
     kept = []
     real = cpu_kernel.KeptCall.__call__
     monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
+    steps = 250 if cfg.rope == "pre" else 90  # rope=pre: past 256 positions, where its position buffer grows
     for prompt in (20, 75):  # 20: no value history yet when the first call is kept
         ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(prompt))
-        with_kept = _step_logits(tiny, cfg, ids, 250)  # past 256 positions: the rope position buffer grows
-        assert len(kept) > 200 * tiny.config.num_hidden_layers, len(kept)
+        with_kept = _step_logits(tiny, cfg, ids, steps)  # window flushes and store growth every 32 tokens
+        assert len(kept) > 0.75 * steps * tiny.config.num_hidden_layers, len(kept)
         monkeypatch.setattr(backends_mod.CpuBackend, "keep", staticmethod(lambda view, query: None))
-        assert torch.equal(with_kept, _step_logits(tiny, cfg, ids, 250))
+        assert torch.equal(with_kept, _step_logits(tiny, cfg, ids, steps))
         monkeypatch.undo()
         monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
         kept.clear()
