@@ -72,17 +72,26 @@ def spy_cpu_kernel(monkeypatch, what=lambda view: True) -> list:
     from kvq_lab.kernels import cpu_kernel
 
     seen = []
-    real, real_kept = cpu_kernel.decode_attention, cpu_kernel.KeptCall.__call__
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(what(view)) or real(view, *a))
+    spy_kept_calls(monkeypatch, lambda call: seen.append(what(call.view)))
+    return seen
+
+
+def spy_kept_calls(monkeypatch, record) -> None:
+    """Call record(call) for every decode step a kept CPU kernel call (`cpu_kernel.KeptCall`) ran (the kernel still
+    runs), not for a step it handed back."""
+    from kvq_lab.kernels import cpu_kernel
+
+    real = cpu_kernel.KeptCall.__call__
 
     def kept(self, *a):
-        out = real_kept(self, *a)
+        out = real(self, *a)
         if out is not None:
-            seen.append(what(self.view))
+            record(self)
         return out
 
-    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda view, *a: seen.append(what(view)) or real(view, *a))
     monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", kept)
-    return seen
 
 
 def padded_packed_cache(model, mask: torch.Tensor, rope: str, backend: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import spy_cpu_kernel
+from conftest import spy_cpu_kernel, spy_kept_calls
 from helpers_models import compose
 from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
 
@@ -390,8 +390,7 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
         mode="packed", backend="cpu", **kw,
     )  # fmt: skip
     kept = []
-    real = cpu_kernel.KeptCall.__call__
-    monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
+    spy_kept_calls(monkeypatch, lambda call: kept.append(1))
     steps = 250 if cfg.rope == "pre" else 90  # rope=pre: past 256 positions, where its position buffer grows
     for prompt in (20, 75):  # 20: no value history yet when the first call is kept
         ids = torch.randint(0, 256, (1, prompt), generator=torch.Generator().manual_seed(prompt))
@@ -400,7 +399,7 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
         monkeypatch.setattr(backends_mod.CpuBackend, "keep", staticmethod(lambda view, query: None))
         assert torch.equal(with_kept, _step_logits(tiny, cfg, ids, steps))
         monkeypatch.undo()
-        monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", lambda self, *a: kept.append(1) or real(self, *a))
+        spy_kept_calls(monkeypatch, lambda call: kept.append(1))
         kept.clear()
 
 

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from conftest import spy_kept_calls
 from helpers_models import compose, tiny_args
 from transformers import DynamicCache
 
@@ -153,16 +154,9 @@ def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, 
     """Packed mode: the fused decode path (kvq_sdpa; a foldable transform maps the query and the output around the
     kernel, another comes undone in the view) gives the logits of attention over the materialized cache."""
     calls = []  # fused steps: a view built, or a call kept from an earlier step's view that ran (backend=cpu)
-    view, kept = PackedLayer.decode_view, cpu_kernel.KeptCall.__call__
-
-    def kept_ran(self, *a):
-        out = kept(self, *a)
-        if out is not None:
-            calls.append(1)
-        return out
-
+    view = PackedLayer.decode_view
     monkeypatch.setattr(PackedLayer, "decode_view", lambda self: calls.append(1) or view(self))
-    monkeypatch.setattr(cpu_kernel.KeptCall, "__call__", kept_ran)
+    spy_kept_calls(monkeypatch, lambda call: calls.append(1))
     kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
     cfg = CacheConfig(kspec, vspec, mode="packed", residual_length=32, sink_tokens=2, backend=backend,
                       **transforms_of(spelling, "both"))  # fmt: skip

@@ -343,8 +343,9 @@ class PackedLayer(QuantizedLayerBase):
         self._kept = None if call is None else (call, fold_query, fold_output, gens, view.rope)
 
     def kept_call(self):
-        """(call, fold query, fold output) kept by `keep` while this layer's stored tensors are the ones it was made
-        over (no store has grown, the same rope table and position ids), else None. Called with `moving()`."""
+        """The record `keep` made, (call, fold query, fold output, stores' generations, rope view), while this layer's
+        stored tensors are the ones its call was made over (no store has grown, the same rope table and position ids),
+        else None. The call takes `moving()`."""
         k = self._kept
         if k is None or k[3] != (self.k_stream.store.generation, self.v_stream.store.generation):
             return None
