@@ -242,7 +242,11 @@ def test_packed_mode(name, bits, case, backend):
         err_torch = max(err_torch, (ours.double() - exact).abs().max().item())
         err_kernel = max(err_kernel, (got.double() - exact).abs().max().item())
     assert err_torch < 1e-4
-    assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
+    # as accurate as the PyTorch path, up to a few fp32 roundings of the largest value (the paths sum in different
+    # orders; how close the PyTorch path comes depends on the machine's BLAS: 7.7e-6 on an AVX-512 Xeon, where the
+    # kernel's 2.0e-5 is 3.4 units of fp32 rounding of max |V| = 49)
+    floor = 4 * torch.finfo(torch.float32).eps * v[:, :, :110].abs().max().item()
+    assert err_kernel <= 2 * err_torch + floor, (err_kernel, err_torch, floor)
 
 
 @pytest.mark.parametrize("name, bits", DEFAULT_CASES)
