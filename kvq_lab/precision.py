@@ -50,18 +50,20 @@ log = logging.getLogger("kvq_lab")
 @dataclass
 class Costs:
     """Bytes of one layer at T tokens: `key[b]`, `value[b]` for each choice b (that tensor's stream as stored), and
-    `fixed` (sinks and other per-layer state, the same for every choice). `elements`: 2 H_kv T D, K and V."""
+    `fixed` (sinks and other per-layer state, the same for every choice); `shared`: bytes a cache holds once for all
+    its layers (rope=pre's position ids). `elements`: 2 H_kv T D, K and V."""
 
     key: dict[int, int]
     value: dict[int, int]
     fixed: int
     elements: int
     layers: int
+    shared: int = 0
 
     def bits(self, key_bits: list[int], value_bits: list[int]) -> float:
         """Stored bits per K/V element of a per-layer assignment, as `nbytes()` counts them."""
         streams = sum(self.key[k] + self.value[v] for k, v in zip(key_bits, value_bits, strict=True))
-        total = self.layers * self.fixed + streams
+        total = self.layers * self.fixed + self.shared + streams
         return 8 * total / (self.layers * self.elements)
 
 
@@ -86,11 +88,12 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) ->
         layer = QuantizedKVCache.for_model(model, c).layers[0]
         layer.update(k, v)
         key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
-        f = layer.nbytes()[0] - key[b] - value[b]
+        shared = 0 if layer._log is None else layer._log.nbytes_for(layer)  # counted by this layer, held once
+        f = layer.nbytes()[0] - key[b] - value[b] - shared
         if fixed is not None and f != fixed:
             raise RuntimeError(f"the packed layer's fixed bytes changed with the bits ({fixed} vs {f})")
         fixed = f
-    return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers)
+    return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers, shared)
 
 
 # -- sensitivity -----------------------------------------------------------------------------------------------------
@@ -249,7 +252,7 @@ def search(sens: dict[str, dict[int, list[float]]], costs: Costs, budget: float,
     """-> (key_bits [L], value_bits [L]) with the least total sensitivity whose stored bits per element (as
     `Costs.bits` counts them) are at most `budget`; ConfigError (one line) when even the cheapest is over."""
     L = costs.layers
-    capacity = int(budget * L * costs.elements // 8) - L * costs.fixed  # bytes the streams may take
+    capacity = int(budget * L * costs.elements // 8) - L * costs.fixed - costs.shared  # bytes the streams may take
     items = []
     for tensor, cost in (("key", costs.key), ("value", costs.value)):
         for i in range(L):
@@ -302,7 +305,7 @@ def resolve(
         "cache": cache.label(),
         "sensitivity": {t: {str(b): v for b, v in d.items()} for t, d in sens.items()},
         "sensitivity_cache": str(sens_path),
-        "bytes": {"key": costs.key, "value": costs.value, "fixed_per_layer": costs.fixed},
+        "bytes": {"key": costs.key, "value": costs.value, "fixed_per_layer": costs.fixed, "shared": costs.shared},
     }
     write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)
     log.info("precision: key bits %s, value bits %s (%.3f bits/element)", key_bits, value_bits, meta["stored_bits"])

@@ -184,8 +184,9 @@ def arithmetic_bytes(cache: QuantizedKVCache) -> int:
             per_element = fmt.code_bits + 16 * len(fmt.params) / spec.group_size
             total += B * H * D * (q * per_element / 8 + stream.window_slots * el)
         total += 2 * B * H * S * D * el
-        if layer._pos is not None:  # rope=pre: the position ids the keys are re-rotated at
-            total += layer._pos.numel() * layer._pos.element_size()
+    # rope=pre: the position ids the keys are re-rotated at, one buffer for the cache's layers (per device)
+    logs = {id(layer._log): layer._log.ids for layer in cache.layers if layer._log is not None}
+    total += sum(t.numel() * t.element_size() for t in logs.values() if t is not None)
     return int(total)
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import left_padded_prompts, padded_packed_cache, spy_cpu_kernel, tiny_llama
@@ -114,10 +116,10 @@ def test_position_ids_outside_the_table_fail():
 
 
 def test_position_ids_are_kept_as_given():
-    """The layer's position-id buffer (what rope=pre rotates with, in the kernel and the PyTorch path alike) holds
+    """The position-id buffer (what rope=pre rotates with, in the kernel and the PyTorch path alike) holds
     each update's ids at its cache positions: a prefill, then decode steps one column each, across the
     buffer's growth (POS_CHUNK), with ids of the caller's own (per row, not consecutive)."""
-    from kvq_lab.cache.packed import POS_CHUNK
+    from kvq_lab.cache.rope import POS_CHUNK
 
     layer = layer_of((2, 32, "channel"), (2, 32, "token"), 32, 0, 64)
     B, L = 2, POS_CHUNK - 3
@@ -129,9 +131,40 @@ def test_position_ids_are_kept_as_given():
         layer.update(torch.randn(B, 2, 1, 64), torch.randn(B, 2, 1, 64), kwargs={"position_ids": ids})
         want.append(ids)
     want = torch.cat(want, 1).to(torch.int32)
-    assert layer.N == L + 8 and layer._pos.shape[1] >= 2 * POS_CHUNK
-    assert torch.equal(layer._pos[:, : layer.N], want) and layer._pos_top == int(want.max())
-    assert layer.view_for(ROPE).rope.pos is layer._pos  # the kernel reads this very buffer
+    log = layer._log
+    assert layer.N == L + 8 and log.ids.shape[1] >= 2 * POS_CHUNK
+    assert torch.equal(log.ids[:, : layer.N], want) and log.top == int(want.max())
+    assert layer.view_for(ROPE).rope.pos is log.ids  # the kernel reads this very buffer
+
+
+def test_a_caches_layers_share_one_position_buffer(tiny_model):
+    """rope=pre: the layers of a cache keep their position ids in one buffer (written once per step, by the first
+    layer), which `nbytes` counts once; another cache has its own. Greedy tokens are those of the PyTorch path (where
+    every layer reads the buffer to re-rotate its history) and of a cache whose layers each wrote their own."""
+    from kvq_lab.cache.rope import PositionLog
+
+    cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                      residual_length=32, backend="cpu", rope="pre")  # fmt: skip
+    prompt = torch.randint(3, tiny_model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(2))
+    out, caches = {}, {}
+    for name, backend in (("cpu", "cpu"), ("torch", "torch"), ("own", "cpu")):
+        cache = QuantizedKVCache.for_model(tiny_model, dataclasses.replace(cfg, backend=backend))
+        if name == "own":  # each layer its own log: what every layer writing its own buffer gave
+            for layer in cache.layers:
+                layer._log = PositionLog()
+        out[name] = tiny_model.generate(prompt, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        caches[name] = cache
+    assert torch.equal(out["cpu"], out["torch"]) and torch.equal(out["cpu"], out["own"])
+    shared = {id(layer._log) for layer in caches["cpu"].layers}
+    assert len(shared) == 1 and not shared & {id(layer._log) for layer in caches["torch"].layers}
+    log = caches["cpu"].layers[0]._log
+    N = caches["cpu"].get_seq_length()
+    assert torch.equal(log.ids[0, :N], torch.arange(N, dtype=torch.int32))
+    ids_bytes = log.ids.numel() * 4
+    counted = [layer._log.nbytes_for(layer) for layer in caches["cpu"].layers]
+    assert sorted(counted) == [0] * (len(counted) - 1) + [ids_bytes]
+    own = caches["own"]
+    assert own.nbytes()["stored"] - caches["cpu"].nbytes()["stored"] == (len(own.layers) - 1) * ids_bytes
 
 
 def gen(model, cache, ids, n, mask=None):

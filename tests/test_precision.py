@@ -82,13 +82,16 @@ def model3(tok):
     return tiny_llama(vocab=len(tok), layers=3)
 
 
-@pytest.mark.parametrize("mode,R,S", [("packed", 0, 0), ("packed", 32, 4), ("simulated", 0, 0)])
-def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S):
+@pytest.mark.parametrize(
+    "mode,R,S,rope", [("packed", 0, 0, "post"), ("packed", 32, 4, "post"), ("packed", 32, 4, "pre"),
+                      ("simulated", 0, 0, "post")],
+)  # fmt: skip
+def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S, rope):
     """The searched cache, filled with `tokens` tokens in packed mode, stores at most the budget in bits per K/V
-    element by its own nbytes(); the search's count equals nbytes() exactly; the budget is used (the cheapest
-    assignment is under it, so the search had to choose)."""
+    element by its own nbytes(); the search's count equals nbytes() exactly (rope=pre: its position ids held once
+    for the cache's layers); the budget is used (the cheapest assignment is under it, so the search had to choose)."""
     T = 128
-    base = CacheConfig(mode=mode, residual_length=R, sink_tokens=S)
+    base = CacheConfig(mode=mode, residual_length=R, sink_tokens=S, rope=rope)
     costs = precision.measure_costs(model3, base, [2, 4, 8], T)
     L = 3
     low = costs.bits([2] * L, [2] * L)
@@ -97,7 +100,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     out = precision.resolve(model3, tok, base, cfg, data_dir, tmp_path)
     kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
     assert kb + vb != [2] * (2 * L)  # room to upgrade was used
-    packed = precision_config.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S), kb, vb)
+    packed = precision_config.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S, rope=rope), kb, vb)
     cache = QuantizedKVCache.for_model(model3, packed)
     with torch.no_grad():
         model3(torch.randint(3, 1000, (1, T)), past_key_values=cache)

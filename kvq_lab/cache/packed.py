@@ -80,13 +80,12 @@ from kvq_lab.quant.transforms.rope_pre import RopePre
 from .attention import PackedKV, route_model
 from .backends import get_backend
 from .base import QuantizedLayerBase, register_layer
-from .rope import step_position_ids
+from .rope import PositionLog, step_position_ids
 from .rows import left_padded_sinks
 from .store import tensor_bytes
 from .streams import make_stream
 
 _ROPE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> (cos, sin) [P, D/2]
-POS_CHUNK = 256  # columns the position-id buffer grows by (`PackedLayer._keep_positions`)
 
 
 def rope_table(rotary_emb: torch.nn.Module, P: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -138,9 +137,9 @@ class PackedLayer(QuantizedLayerBase):
         for stream, pipe in ((self.k_stream, self.k_pipe), (self.v_stream, self.v_pipe)):
             if pipe is not None and not pipe.foldable:  # applied as tokens are quantized (the module docstring)
                 stream.encode = self._encoder(pipe)
-        # position ids (int32) of cache positions [0, N) in the first N columns, kept for position-dependent transforms
-        self._pos: torch.Tensor | None = None
-        self._pos_top = -1  # the largest of them (the rope table must cover it)
+        # position ids (int32) of cache positions [0, N), kept for position-dependent transforms: the cache's log on
+        # this layer's device, shared by its layers (set at the first update)
+        self._log: PositionLog | None = None
         self._rope: RopeView | None = None  # the latest `_rope_view`
         self._kept = None  # (kept call, fold query, fold output, stores' generations, rope view): `kept_call`
 
@@ -168,7 +167,9 @@ class PackedLayer(QuantizedLayerBase):
             self.lazy_initialization(key_states, value_states)
         self.check_finite(key_states, value_states)
         if self.positional:
-            self._keep_positions(*step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device))
+            if self._log is None:
+                self._log = self.rope.log(key_states.device) if self.rope is not None else PositionLog()
+            self._log.keep(step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device), self.N, self)
         # what the streams store: foldable transforms applied now, the others as tokens are quantized (`encode`)
         if self._fold_pair:  # keys and values under one foldable pipeline: both at once (hadamard: one call)
             tk, tv = self.k_pipe.forward_pair(key_states, value_states)
@@ -197,18 +198,6 @@ class PackedLayer(QuantizedLayerBase):
             handle = PackedKV(self)
             return handle, handle
         return self.materialize()
-
-    def _keep_positions(self, ids: torch.Tensor, top: int) -> None:
-        """Store this update's position ids [B, n] (largest: top) at cache positions [N, N + n) of `_pos`, a buffer
-        grown POS_CHUNK columns at a time: a decode step writes one column where a concatenation made a new tensor."""
-        N, n = self.N, ids.shape[1]
-        if self._pos is None or self._pos.shape[1] < N + n:
-            grown = ids.new_zeros(ids.shape[0], -(-(N + n) // POS_CHUNK) * POS_CHUNK)
-            if self._pos is not None:
-                grown[:, :N] = self._pos[:, :N]
-            self._pos = grown
-        self._pos[:, N : N + n] = ids
-        self._pos_top = max(self._pos_top, top)
 
     def _prefill(self, k, tk, v, tv):
         """k, v [B, H, N, D] as the model made them (the sinks' source); tk, tv: transformed, for the streams."""
@@ -250,7 +239,7 @@ class PackedLayer(QuantizedLayerBase):
         or None for a pipeline that reads no positions."""
         if not pipe.positional:
             return None
-        return self.positions(x, self._pos.gather(1, abs_pos.clamp(0, self.N - 1)).long())
+        return self.positions(x, self._log.ids.gather(1, abs_pos.clamp(0, self.N - 1)).long())
 
     def decode_view(self) -> DecodeView:
         """Both streams quantized: the stored segments as plain tensors for the kernels, with the extensions this
@@ -305,16 +294,16 @@ class PackedLayer(QuantizedLayerBase):
         """Keys under rope_pre alone (values: no transform or a foldable one), a model whose RoPE tabulates: the
         kernel rotates the pre-RoPE keys itself. None otherwise. The latest view is given again while it holds: the
         same position buffer, a table that covers every id in it."""
-        rv = self._rope
-        if rv is not None and rv.pos is self._pos and self._pos_top < rv.cos.shape[0]:
+        rv, log = self._rope, self._log
+        if rv is not None and rv.pos is log.ids and log.top < rv.cos.shape[0]:
             return rv
         kp, vp = self.k_pipe, self.v_pipe
         if kp is None or len(kp.transforms) != 1 or not isinstance(kp.transforms[0], RopePre) or self.rope is None:
             return None
         if vp is not None and not vp.foldable:
             return None
-        table = rope_table(self.rope.rotary_emb, self._pos_top + 1, self.sink_k)
-        self._rope = None if table is None else RopeView(*table, self._pos)
+        table = rope_table(self.rope.rotary_emb, log.top + 1, self.sink_k)
+        self._rope = None if table is None else RopeView(*table, log.ids)
         return self._rope
 
     def _stream_view(self, stream, sink, pipe):
@@ -390,7 +379,8 @@ class PackedLayer(QuantizedLayerBase):
         """(stored, fp16): bytes this layer holds, and the same tokens as an fp16 K/V cache."""
         if not self.is_initialized or self.N == 0:
             return 0, 0
-        stored = tensor_bytes(self.sink_k) + tensor_bytes(self.sink_v) + tensor_bytes(self._pos)
+        stored = tensor_bytes(self.sink_k) + tensor_bytes(self.sink_v)
+        stored += 0 if self._log is None else self._log.nbytes_for(self)  # the cache's position ids: counted once
         stored += self.k_stream.nbytes() + self.v_stream.nbytes()
         B, H, D = self.keys.shape[0], self.keys.shape[1], self.keys.shape[3]
         return stored, 2 * B * H * self.N * D * 2

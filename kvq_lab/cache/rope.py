@@ -15,14 +15,75 @@ import torch
 from kvq_lab.quant.transforms import Positions
 from kvq_lab.quant.transforms.rope_pre import rotate, rotate_half, unrotate
 
-__all__ = ["RopeHelper", "position_ids_from", "positions_for", "rotate_half", "step_position_ids"]
+__all__ = [
+    "POS_CHUNK",
+    "PositionLog",
+    "RopeHelper",
+    "position_ids_from",
+    "positions_for",
+    "rotate_half",
+    "step_position_ids",
+]
+
+
+POS_CHUNK = 256  # columns a `PositionLog` grows by
+
+
+class PositionLog:
+    """The position ids (int32) of cache positions [0, N) of a cache's layers, kept for position-dependent transforms
+    (rope=pre: the CPU and Triton kernels rotate each stored key at its id, read from `ids` [B, >= N]): one buffer for
+    all of a cache's layers, since they hold the same tokens at the same positions. An update's ids are written by the
+    first layer that brings them and found there by the others (`keep`): a decode step writes one column once, where
+    each layer writing its own buffer cost about 10 us a layer. Grown POS_CHUNK columns at a time (a new tensor: a
+    reader holding the old one sees that `ids` is another tensor). `top`: the largest id kept (a rope table must
+    cover it)."""
+
+    def __init__(self):
+        self.ids: torch.Tensor | None = None
+        self.top = -1
+        self._written = None  # (answer, N) of the latest `keep` that wrote
+        self._holder = None  # weakref to the layer whose `nbytes` counts the buffer (the first to keep into it)
+
+    def keep(self, answer: tuple[torch.Tensor, int], N: int, layer) -> None:
+        """Hold `answer` (`step_position_ids`: ids [B, n], their largest) at cache positions [N, N + n). The same
+        answer at the same N as the latest write is there already (every layer of a forward passes the same answer
+        object): nothing to do."""
+        w = self._written
+        if w is not None and w[0] is answer and w[1] == N:
+            return
+        ids, top = answer
+        B, n = ids.shape
+        buf = self.ids
+        if buf is not None and buf.shape[0] != B:
+            if N > 0:
+                raise RuntimeError(f"position ids of {B} rows for a cache of {buf.shape[0]} rows at position {N}")
+            buf = None  # a new generation in a reset cache, another batch size
+        if buf is None or buf.shape[1] < N + n:
+            grown = ids.new_zeros(B, -(-(N + n) // POS_CHUNK) * POS_CHUNK)
+            if buf is not None:
+                grown[:, :N] = buf[:, :N]
+            self.ids = buf = grown
+        buf[:, N : N + n] = ids
+        self.top = max(self.top, top)
+        self._written = (answer, N)
+        if self._holder is None or self._holder() is None:
+            self._holder = weakref.ref(layer)
+
+    def nbytes_for(self, layer) -> int:
+        """The buffer's bytes where `layer` is the one that counts them (the first layer that kept ids here), else
+        0: a cache's `nbytes` counts the buffer once."""
+        if self.ids is None or self._holder is None or self._holder() is not layer:
+            return 0
+        return self.ids.numel() * self.ids.element_size()
 
 
 class RopeHelper:
-    """Wraps a model's rotary embedding module (`model.model.rotary_emb`): `module(x, position_ids) -> cos, sin`."""
+    """Wraps a model's rotary embedding module (`model.model.rotary_emb`): `module(x, position_ids) -> cos, sin`. One
+    per cache: it also holds the cache's `PositionLog`s (`log`)."""
 
     def __init__(self, rotary_emb: torch.nn.Module):
         self.rotary_emb = rotary_emb
+        self._logs: dict[torch.device, PositionLog] = {}
         self._last: _Latest | None = None  # the latest `cos_sin` answer
         self._step: _Latest | None = None  # the latest `step_position_ids` answer
 
@@ -39,6 +100,14 @@ class RopeHelper:
         if getattr(self.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope"):
             self._last = _Latest(like.device, position_ids, (cos, sin))
         return cos, sin
+
+    def log(self, device: torch.device) -> PositionLog:
+        """The cache's `PositionLog` on `device` (one per device: a model split over devices keeps its layers' ids
+        where they attend)."""
+        log = self._logs.get(device)
+        if log is None:
+            log = self._logs[device] = PositionLog()
+        return log
 
     def positions(self, like: torch.Tensor, position_ids: torch.Tensor) -> Positions:
         """`Positions` of tokens at position_ids [B, T] (like: any tensor on the target device)."""
