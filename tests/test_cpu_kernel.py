@@ -286,6 +286,13 @@ def test_native_hadamard_is_the_pytorch_transform_bit_for_bit(dtype):
             assert got.dtype == dtype and got.shape == xx.shape and torch.equal(got, ref), (n, D, shape)
             a, b = t.forward_pair(xx, -xx)  # a layer's key and value at once (one native call)
             assert a.dtype == b.dtype == dtype and torch.equal(a, ref) and torch.equal(b, t.forward(-xx)), (n, D)
+            # into rows of larger fp32 buffers (a cache's window rows); other dtypes: new tensors, rows untouched
+            buf = torch.full((2, *xx.shape[:-1], 3, D), float("nan"))
+            out = (buf[0, ..., 1, :], buf[1, ..., 1, :])
+            wa, wb = t.forward_pair(xx, -xx, out=out)
+            assert torch.equal(wa, a) and torch.equal(wb, b) and (wa is out[0]) == (dtype == torch.float32)
+            untouched = dtype != torch.float32 or xx.numel() == 0
+            assert buf[:, ..., ::2, :].isnan().all() and buf.isnan().all() == untouched
             q = xx.float()
             blocks = q.reshape(*q.shape[:-1], D // n, n) @ hadamard.matrix(n)
             scale = float(q.abs().max()) if q.numel() else 1.0
@@ -401,6 +408,35 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
         monkeypatch.undo()
         spy_kept_calls(monkeypatch, lambda call: kept.append(1))
         kept.clear()
+
+
+@pytest.mark.parametrize("R, key_axis", [(32, "channel"), (32, "token"), (0, "channel"), (0, "token")])
+def test_hadamard_steps_write_key_and_value_into_the_window(tiny, R, key_axis, monkeypatch):  # noqa: F811
+    """Under one hadamard pipeline, a decode step's transformed key and value are written by the native transform
+    straight into the rows of the window buffers they go to (`Stream.slot`): every step's logits are, bit for bit,
+    those of transforming into new tensors that the window then copies; and the rows were written in place (where
+    both streams keep a window: not with R = 0 and per-token values, which keep none)."""
+    from kvq_lab.cache import streams
+
+    cfg = CacheConfig(
+        key=QuantSpec(2, 32, key_axis), value=QuantSpec(2, 32, "token"), mode="packed", backend="cpu",
+        residual_length=R, sink_tokens=2, key_transform=("hadamard",), value_transform=("hadamard",),
+    )  # fmt: skip
+    pushes = {"in place": 0, "copied": 0}
+    push = streams._Window.push
+
+    def counted(self, x):
+        pushes["in place" if x is self.slot() else "copied"] += 1
+        return push(self, x)
+
+    monkeypatch.setattr(streams._Window, "push", counted)
+    ids = torch.randint(0, 256, (1, 45), generator=torch.Generator().manual_seed(3))
+    steps = 70  # past window flushes and the window buffers' rewinds (every R/16 steps)
+    written = _step_logits(tiny, cfg, ids, steps)
+    in_place = pushes["in place"]
+    assert in_place == steps * 2 * tiny.config.num_hidden_layers if R else in_place == 0, pushes
+    monkeypatch.setattr(PackedLayer, "_slots", lambda self, x: None)
+    assert torch.equal(written, _step_logits(tiny, cfg, ids, steps))
 
 
 def test_a_kept_call_hands_back_what_it_cannot_take(tiny):  # noqa: F811

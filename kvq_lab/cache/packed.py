@@ -172,7 +172,7 @@ class PackedLayer(QuantizedLayerBase):
             self._log.keep(step_position_ids(self.rope, kwargs, B, self.N, n, key_states.device), self.N, self)
         # what the streams store: foldable transforms applied now, the others as tokens are quantized (`encode`)
         if self._fold_pair:  # keys and values under one foldable pipeline: both at once (hadamard: one call)
-            tk, tv = self.k_pipe.forward_pair(key_states, value_states)
+            tk, tv = self.k_pipe.forward_pair(key_states, value_states, out=self._slots(key_states))
         else:
             tk = key_states if self.k_pipe is None or not self.k_pipe.foldable else self.k_pipe.forward(key_states)
             tv = value_states if self.v_pipe is None or not self.v_pipe.foldable else self.v_pipe.forward(value_states)
@@ -198,6 +198,15 @@ class PackedLayer(QuantizedLayerBase):
             handle = PackedKV(self)
             return handle, handle
         return self.materialize()
+
+    def _slots(self, x: torch.Tensor):
+        """Where a decode step's transformed key and value go in the streams' window buffers (`Stream.slot`), for a
+        transform that can write them there (the streams' `step` then copies nothing), or None: not a one-token step
+        on a filled cache, a window that is not fp32 (the transforms return the model's dtype), or no window."""
+        if self.N == 0 or x.shape[2] != 1 or x.dtype is not torch.float32:
+            return None
+        ks, vs = self.k_stream.slot(), self.v_stream.slot()
+        return None if ks is None or vs is None else (ks, vs)
 
     def _prefill(self, k, tk, v, tv):
         """k, v [B, H, N, D] as the model made them (the sinks' source); tk, tv: transformed, for the streams."""

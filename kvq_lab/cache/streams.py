@@ -8,6 +8,8 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (a padded batch: with per-row
                                  `starts` and `counts`, see `kvq_lab.kernels.view`)
     moving(N)                    what a decode step moves in that view without padding: (n, w, window)
+    slot()                       where the next step's token goes (a row of the window buffer, for a caller that
+                                 writes it there; `step` then copies nothing), or None
     nbytes()                     bytes held
     quantized                    whether the stream stores codes (False: the exact 16-bit stream)
 
@@ -46,6 +48,7 @@ class Stream(Protocol):
     def n_quantized(self, N: int) -> int: ...
     def materialize(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> torch.Tensor: ...
     def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView: ...
+    def slot(self) -> torch.Tensor | None: ...
     def nbytes(self) -> int: ...
 
 
@@ -80,6 +83,13 @@ class _QuantizedStream(ABC):
     @window.setter
     def window(self, x: torch.Tensor) -> None:
         self._win = _Window(x)
+
+    def slot(self) -> torch.Tensor | None:
+        """Where the next `step`'s token goes in the window buffer (`_Window.slot`: a [B, H, 1, D] view, written by
+        the caller, then passed to `step`, which copies nothing), or None where a step keeps no window (R = 0 with
+        per-token groups) or before prefill."""
+        w = self._win
+        return None if w is None or not w.n else w.slot()
 
     @property
     def window_slots(self) -> int:
@@ -322,13 +332,20 @@ class _Window:
     def view(self) -> torch.Tensor:
         return self._views[self.off]
 
-    def push(self, x: torch.Tensor) -> torch.Tensor:
-        """Append x [B, H, 1, D]; the window is then its last n positions. Returns the old window followed by x
-        ([B, H, n + 1, D], a view valid until the next push)."""
+    def slot(self) -> torch.Tensor:
+        """The row [B, H, 1, D] (a view) the next `push` writes: a caller may write the new token there itself and
+        push this very view, which is then not copied. The window is unchanged."""
         if self.off == len(self._new):
             self.buf[:, :, : self.n] = self._views[self.off].clone()  # the rows overlap: copied through a new tensor
             self.off = 0
-        self._new[self.off].copy_(x)
+        return self._new[self.off]
+
+    def push(self, x: torch.Tensor) -> torch.Tensor:
+        """Append x [B, H, 1, D]; the window is then its last n positions. Returns the old window followed by x
+        ([B, H, n + 1, D], a view valid until the next push)."""
+        new = self.slot()
+        if x is not new:
+            new.copy_(x)
         self.off += 1
         return self._with_new[self.off - 1]
 
@@ -359,6 +376,9 @@ class ExactStream:
 
     def view(self, N, sink, pads, rotate):
         raise TypeError("an exact (16-bit) stream stores no codes: attention reads it materialized")
+
+    def slot(self):
+        return None  # the tensor grows by concatenation: no row to write ahead
 
     def nbytes(self) -> int:
         return tensor_bytes(self.x)

@@ -704,16 +704,18 @@ void kvq_fwht(int64_t x, int64_t rows, int64_t D, int64_t n, float scale) {
 
 /* kvq_fwht of a copy: the rows of src (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`), rows of D consecutive
    elements at src + i0 * s0 + i1 * s1 + i2 * s2 (element strides, i0 < n0, i1 < n1, i2 < n2), converted exactly to
-   fp32 into the contiguous rows of dst [n0][n1][n2][D], then transformed there (the same bits as kvq_fwht on a
-   converted copy). One call where PyTorch made a contiguous fp32 copy first: the transform of each new key and value,
-   every layer and decode step. */
-void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
-                   int64_t s2, int64_t dst, int64_t D, int64_t n, float scale) {
-    float *out = (float *)dst;
+   fp32 into the fp32 rows at dst + i0 * t0 + i1 * t1 + i2 * t2 (element strides, each row D consecutive floats),
+   then transformed there (the same bits as kvq_fwht on a converted copy). One call where PyTorch made a contiguous
+   fp32 copy first: the transform of each new key and value, every layer and decode step, written where the cache
+   keeps it (a row of its window buffer). */
+static void fwht_copy_to(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                         int64_t s2, int64_t dst, int64_t t0, int64_t t1, int64_t t2, int64_t D, int64_t n,
+                         float scale) {
     const int64_t esize = dtype == 0 ? 4 : 2;
     for (int64_t i0 = 0; i0 < n0; i0++)
         for (int64_t i1 = 0; i1 < n1; i1++)
-            for (int64_t i2 = 0; i2 < n2; i2++, out += D) {
+            for (int64_t i2 = 0; i2 < n2; i2++) {
+                float *out = (float *)dst + i0 * t0 + i1 * t1 + i2 * t2;
                 const int64_t at = (int64_t)src + (i0 * s0 + i1 * s1 + i2 * s2) * esize;
                 if (dtype == 0)
                     memcpy(out, (const float *)at, (size_t)D * sizeof *out);
@@ -723,13 +725,19 @@ void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n
             }
 }
 
-/* kvq_fwht_copy of `count` tensors, the integer arguments of each in one int64 block of 11,
-   {src, dst, dtype, n0, n1, n2, s0, s1, s2, D, n}, the blocks consecutive at a: the form the caches call (a layer's
-   new key and value at once, every decode step), where converting eleven ctypes arguments per tensor took about as
-   long as the transform. */
+/* fwht_copy_to into the contiguous rows of dst [n0][n1][n2][D] (the query's copy in kvq_decode_attention) */
+static void kvq_fwht_copy(int64_t src, int64_t dtype, int64_t n0, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                          int64_t s2, int64_t dst, int64_t D, int64_t n, float scale) {
+    fwht_copy_to(src, dtype, n0, n1, n2, s0, s1, s2, dst, n1 * n2 * D, n2 * D, D, D, n, scale);
+}
+
+/* fwht_copy_to of `count` tensors, the integer arguments of each in one int64 block of 14,
+   {src, dst, dtype, n0, n1, n2, s0, s1, s2, D, n, t0, t1, t2}, the blocks consecutive at a: the form the caches
+   call (a layer's new key and value at once, every decode step), where converting the ctypes arguments one by one
+   took about as long as the transform. */
 void kvq_fwht_blocks(const int64_t *a, int64_t count, float scale) {
-    for (int64_t i = 0; i < count; i++, a += 11)
-        kvq_fwht_copy(a[0], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[1], a[9], a[10], scale);
+    for (int64_t i = 0; i < count; i++, a += 14)
+        fwht_copy_to(a[0], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[1], a[11], a[12], a[13], a[9], a[10], scale);
 }
 
 /* Tasks (chunk, b, kv head) over `threads` OpenMP threads, chunk-major: a thread's consecutive tasks cover the same

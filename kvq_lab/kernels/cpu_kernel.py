@@ -189,15 +189,25 @@ def fwht(x: torch.Tensor, n: int, scale: float) -> torch.Tensor | None:
     return y if layout[0] == 0 else y.to(x.dtype)
 
 
-def fwht_pair(a: torch.Tensor, b: torch.Tensor, n: int, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(`fwht(a, n, scale)`, `fwht(b, n, scale)`), the same bits, in one native call and one allocation: a layer's
-    new key and value under one hadamard pipeline, every layer and decode step (two calls cost about twice one in
-    the model). a and b of the same dtype and shape; None where `fwht` would give None for either."""
+def fwht_pair(
+    a: torch.Tensor, b: torch.Tensor, n: int, scale: float, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`fwht(a, n, scale)`, `fwht(b, n, scale)`), the same bits, in one native call: a layer's new key and value
+    under one hadamard pipeline, every layer and decode step (two calls cost about twice one in the model). a and b
+    of the same dtype and shape; None where `fwht` would give None for either. With `out` (two fp32 tensors of a's
+    shape, rows unit-stride: the rows of the cache's window buffers the token goes to) and fp32 a and b, written
+    there and `out` returned: no new tensor, and nothing for the cache to copy; else one allocation for both."""
     if a.dtype is not b.dtype or a.shape != b.shape:
         return None
     la, lb = _fwht_layout(a, n), _fwht_layout(b, n)
     if la is None or lb is None:
         return None
+    if out is not None and la[0] == 0 and _fp32_rows(out[0], a) and _fp32_rows(out[1], a):
+        ya, yb = out
+        block = array.array("q", (a.data_ptr(), ya.data_ptr(), *la[:9], *_lead_strides(ya),
+                                  b.data_ptr(), yb.data_ptr(), *lb[:9], *_lead_strides(yb)))  # fmt: skip
+        load().kvq_fwht_blocks(block.buffer_info()[0], 2, scale)
+        return out
     y = _F32.new_empty((2, *a.shape))
     p = y.data_ptr()
     block = array.array("q", (a.data_ptr(), p, *la, b.data_ptr(), p + 4 * a.numel(), *lb))
@@ -205,13 +215,24 @@ def fwht_pair(a: torch.Tensor, b: torch.Tensor, n: int, scale: float) -> tuple[t
     return (y if la[0] == 0 else y.to(a.dtype)).unbind(0)
 
 
+def _fp32_rows(y: torch.Tensor, like: torch.Tensor) -> bool:
+    """y can take `fwht(like)`'s rows in place: fp32 on the CPU, like's shape, unit-stride rows."""
+    return y.dtype is torch.float32 and y.is_cpu and y.shape == like.shape and y.stride(-1) == 1
+
+
+def _lead_strides(y: torch.Tensor) -> tuple[int, ...]:
+    """t0, t1, t2 of `kvq_fwht_blocks`' block: y's strides over up to three leading dims (as `_fwht_layout`)."""
+    return (0,) * (4 - y.dim()) + y.stride()[:-1]
+
+
 _FWHT_LAYOUTS: dict = {}
 _F32 = torch.empty(0, dtype=torch.float32)  # `new_empty` from it: fp32 whatever the default dtype, without kwargs
 
 
 def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
-    """dtype, n0, n1, n2, s0, s1, s2, D, n of `kvq_fwht_blocks`' block for x (its rows as up to three leading dims
-    with their strides), kept per dtype, shape, strides and n; None where the native transform cannot take x."""
+    """dtype, n0, n1, n2, s0, s1, s2, D, n, t0, t1, t2 of `kvq_fwht_blocks`' block for x (its rows as up to three
+    leading dims with their strides; t: the strides of a new contiguous output), kept per dtype, shape, strides and
+    n; None where the native transform cannot take x."""
     if _ERROR is not None or not x.is_cpu:
         return None
     key = (x.dtype, x.shape, x.stride(), n)
@@ -233,7 +254,8 @@ def _new_fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
         return None
     pad = 4 - x.dim()
     lead, strides = (1,) * pad + x.shape[:-1], (0,) * pad + x.stride()[:-1]
-    return (code, *lead, *strides, x.shape[-1], n)
+    D = x.shape[-1]
+    return (code, *lead, *strides, D, n, lead[1] * lead[2] * D, lead[2] * D, D)
 
 
 register_fast("cpu", fwht, fwht_pair)

@@ -147,10 +147,12 @@ class Transform(ABC):
         """Undo `forward`: inverse(forward(x)) == x up to fp32 rounding. [B, H, T, D] in x's dtype."""
 
     def forward_pair(
-        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None
+        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None, out=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(a), forward(b)): a layer's new key and value under one pipeline, every decode step. A transform
-        may make both in one call where that is faster (hadamard's native transform), with the same bits."""
+        may make both in one call where that is faster (hadamard's native transform), with the same bits, and may
+        write them into `out` (two tensors of a's shape and dtype, where the cache keeps them), returning `out`:
+        a hint, which the default ignores (the results are the returned pair, wherever they are)."""
         return self.forward(a, pos), self.forward(b, pos)
 
     def fold_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -281,11 +283,13 @@ class Pipeline:
         return x
 
     def forward_pair(
-        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None
+        self, a: torch.Tensor, b: torch.Tensor, pos: Positions | None = None, out=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(a), forward(b)), each transform taking both at once (`Transform.forward_pair`)."""
-        for t in self.transforms:
-            a, b = t.forward_pair(a, b, pos)
+        """(forward(a), forward(b)), each transform taking both at once (`Transform.forward_pair`); `out` goes to the
+        last one (the one whose results are final)."""
+        last = len(self.transforms) - 1
+        for i, t in enumerate(self.transforms):
+            a, b = t.forward_pair(a, b, pos, out if i == last else None)
         return a, b
 
     def inverse(self, x: torch.Tensor, pos: Positions | None = None) -> torch.Tensor:

@@ -45,13 +45,14 @@ def block_arg(name: str, arg: str, example: int, hint: str = "") -> int:
 
 
 _FAST: dict = {}  # device type -> fn(x, n, scale): fwht(x, n) * scale in x's dtype, or None (not here)
-_FAST_PAIR: dict = {}  # device type -> fn(a, b, n, scale): the same for two tensors at once, or None
+_FAST_PAIR: dict = {}  # device type -> fn(a, b, n, scale, out): the same for two tensors at once, or None
 
 
 def register_fast(device_type: str, fn, pair=None) -> None:
     """Register a native `fwht(x, n) * scale` for tensors on `device_type`: fn(x, n, scale) returns it as a new
     tensor in x's dtype with the same bits, or None where it cannot (x stays untouched either way); pair(a, b, n,
-    scale), if given, returns (fn(a, n, scale), fn(b, n, scale)) in one call, or None (`Hadamard.forward_pair`)."""
+    scale, out), if given, returns (fn(a, n, scale), fn(b, n, scale)) in one call, written into `out` (a pair of
+    tensors, or None) where it can, or None (`Hadamard.forward_pair`)."""
     _FAST[device_type] = fn
     if pair is not None:
         _FAST_PAIR[device_type] = pair
@@ -137,12 +138,13 @@ class Hadamard(Transform):
         y = _native(x, n)
         return y if y is not None else (fwht(x.float(), n) * n**-0.5).to(x.dtype)
 
-    def forward_pair(self, a, b, pos=None):
-        """`forward` of a and b in one native call where one is registered for their device (the same bits)."""
+    def forward_pair(self, a, b, pos=None, out=None):
+        """`forward` of a and b in one native call where one is registered for their device (the same bits), into
+        `out` where that call can write there."""
         pair = _FAST_PAIR.get(a.device.type)
         if pair is not None and b.device == a.device:
             n = self._n(a.shape[-1])
-            ys = pair(a, b, n, n**-0.5)
+            ys = pair(a, b, n, n**-0.5, out)
             if ys is not None:
                 return ys
         return self.forward(a, pos), self.forward(b, pos)
