@@ -117,7 +117,11 @@ def test_decode_ppl_windows_in_a_batch_equal_one_by_one(tiny_model):
     both = decode_nll(tiny_model, _cache(tiny_model, 2), ids, 40)
     for i in range(2):
         one = decode_nll(tiny_model, _cache(tiny_model, 2), ids[i : i + 1], 40)
-        torch.testing.assert_close(both[i : i + 1], one, atol=2e-4, rtol=1e-4)
+        # A batch of 2 and a batch of 1 need not round the projections alike (on an AVX-512 Xeon the 16-bit cache's
+        # NLL differs by 1.5e-5), and a 2-bit code at a rounding boundary may then flip: one position moved 4.7e-3.
+        # Rows mixed in the quantization would move every position by far more.
+        diff = (both[i : i + 1] - one).abs()
+        assert diff.max() < 1e-2 and diff.mean() < 1e-3, diff
 
 
 @torch.inference_mode()
