@@ -142,7 +142,8 @@ def read_table(rec: dict, *keys: str) -> dict:
 
 
 def load_records(results_dir: Path) -> list[dict]:
-    """Every record under `<results_dir>/runs`, oldest first; unreadable files are skipped with a note."""
+    """Every record under `<results_dir>/runs`, oldest first (by the folder's timestamp, then, within one second, by
+    the record's `started`); unreadable files are skipped with a note."""
     out = []
     for p in sorted((Path(results_dir) / "runs").glob(f"*/{RECORD}")):
         try:
@@ -152,6 +153,8 @@ def load_records(results_dir: Path) -> list[dict]:
             continue
         rec["_path"] = str(p.parent)
         out.append(rec)
+    # folder names start with the second they were made (`new_run_dir`); two runs of one second sort by name there
+    out.sort(key=lambda r: (Path(r["_path"]).name[:15], str(r.get("started", ""))))
     return out
 
 

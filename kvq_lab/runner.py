@@ -172,7 +172,7 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
     record = {
         "name": name,
         "status": "running",
-        "started": datetime.now().isoformat(timespec="seconds"),
+        "started": datetime.now().isoformat(timespec="microseconds"),  # orders records made within one second
         "config": resolved,
         "config_hash": plan.config_hash,
         "run_key": plan.run_key,

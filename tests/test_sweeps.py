@@ -25,6 +25,20 @@ def records(results: Path) -> list[dict]:
     return load_records(results)
 
 
+def test_records_of_one_second_load_in_the_order_they_started(tmp_path):
+    """Run folders are named from the second they were made (`new_run_dir`), so two runs of one second sort by name;
+    `load_records` puts them in the order they started (a fast failed row, then the next, as a sweep ran them)."""
+    for folder, started in [("20261202-100500_b_first", "2026-12-02T10:05:00.100000"),
+                            ("20261202-100500_a_second", "2026-12-02T10:05:00.900000"),
+                            ("20261202-100459_z_older", "2026-12-02T10:04:59")]:  # fmt: skip
+        d = tmp_path / "runs" / folder
+        d.mkdir(parents=True)
+        (d / "record.json").write_text(json.dumps({"started": started}))
+    assert [Path(r["_path"]).name for r in records(tmp_path)] == [
+        "20261202-100459_z_older", "20261202-100500_b_first", "20261202-100500_a_second",
+    ]  # fmt: skip
+
+
 def test_rerun_skips_done_rows_and_runs_missing_ones(tiny_model_dir, data_dir, tmp_path):
     base = tiny_args(tiny_model_dir, tmp_path, data_dir)
     first = [run(compose(base + [row])) for row in ROWS]
