@@ -59,8 +59,9 @@ prompt at once): the window holds the tokens as the model made them, exact and r
 history is undone, dequantized and re-rotated at its positions, in the view the PyTorch path reads; except rope_pre
 alone on the keys with a backend that rotates keys itself (`Backend.features` has `rope`: the CPU and Triton
 kernels): its view carries the pre-RoPE codes with a `RopeView` (a cos/sin table shared by the model's layers,
-`rope_table`, and the layer's position ids), and the kernel rotates each history key at its position. Decode steps
-then pay no transform per token: the rotations happen once per window flush, on the quantizer's side.
+`rope_table`, and the cache's position ids, `rope.PositionLog`), and the kernel rotates each history key at its
+position. Decode steps then pay no transform per token: the rotations happen once per window flush, on the quantizer's
+side.
 
 Roles: this module is the layer (what is stored where, per step); `store` holds the bits, `streams` the
 per-axis streaming policies, `backends` the kernels' selection, `attention` the routing.
