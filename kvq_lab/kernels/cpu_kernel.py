@@ -184,8 +184,7 @@ def fwht(x: torch.Tensor, n: int, scale: float) -> torch.Tensor | None:
     if layout is None:
         return None
     y = _F32.new_empty(x.shape)
-    block = array.array("q", (x.data_ptr(), y.data_ptr(), *layout))  # lives until the call returns
-    load().kvq_fwht_blocks(block.buffer_info()[0], 1, scale)
+    _fwht_blocks(scale, x.data_ptr(), y.data_ptr(), *layout)
     return y if layout[0] == 0 else y.to(x.dtype)
 
 
@@ -204,15 +203,20 @@ def fwht_pair(
         return None
     if out is not None and la[0] == 0 and _fp32_rows(out[0], a) and _fp32_rows(out[1], a):
         ya, yb = out
-        block = array.array("q", (a.data_ptr(), ya.data_ptr(), *la[:9], *_lead_strides(ya),
-                                  b.data_ptr(), yb.data_ptr(), *lb[:9], *_lead_strides(yb)))  # fmt: skip
-        load().kvq_fwht_blocks(block.buffer_info()[0], 2, scale)
+        _fwht_blocks(scale, a.data_ptr(), ya.data_ptr(), *la[:9], *_lead_strides(ya),
+                     b.data_ptr(), yb.data_ptr(), *lb[:9], *_lead_strides(yb))  # fmt: skip
         return out
     y = _F32.new_empty((2, *a.shape))
     p = y.data_ptr()
-    block = array.array("q", (a.data_ptr(), p, *la, b.data_ptr(), p + 4 * a.numel(), *lb))
-    load().kvq_fwht_blocks(block.buffer_info()[0], 2, scale)
+    _fwht_blocks(scale, a.data_ptr(), p, *la, b.data_ptr(), p + 4 * a.numel(), *lb)
     return (y if la[0] == 0 else y.to(a.dtype)).unbind(0)
+
+
+def _fwht_blocks(scale: float, *fields: int) -> None:
+    """One `kvq_fwht_blocks` call over the consecutive blocks of 14 integers in `fields` (src, dst, then a layout of
+    `_fwht_layout` with its output strides)."""
+    block = array.array("q", fields)  # lives until the call returns
+    load().kvq_fwht_blocks(block.buffer_info()[0], len(fields) // 14, scale)
 
 
 def _fp32_rows(y: torch.Tensor, like: torch.Tensor) -> bool:
