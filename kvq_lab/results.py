@@ -153,8 +153,8 @@ def load_records(results_dir: Path) -> list[dict]:
             continue
         rec["_path"] = str(p.parent)
         out.append(rec)
-    # folder names start with the second they were made (`new_run_dir`); two runs of one second sort by name there
-    out.sort(key=lambda r: (Path(r["_path"]).name[:15], str(r.get("started", ""))))
+    # folder names are `<second made>_<name>` (`new_run_dir`): two runs of one second sort by name there
+    out.sort(key=lambda r: (Path(r["_path"]).name.split("_", 1)[0], str(r.get("started", ""))))
     return out
 
 
