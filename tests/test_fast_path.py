@@ -37,6 +37,24 @@ def layer_of(key, value, R, S, D, backend="cpu", rope="pre"):
     return PackedLayer(cfg, rotary(D), PaddingState())
 
 
+def exact_angles(K, view, inv_freq):
+    """K (materialized: rope=pre history rows rotated with the model's fp32 cos/sin table) with its history rows
+    rotated at exact angles instead, in fp64: the RoPE both paths approximate. The table's angles are fp32 products
+    (inv_freq * id, ~1e-5 rad off at ids near 400); the kernel composes each row's rotation from two table rows (a
+    segment's base and the row's offset), whose angles round differently: about as far from exact RoPE as the table,
+    not equal to it. So the oracle is exact RoPE, not either path's rounding."""
+    first, n, half = view.sink_tokens, view.keys.n, K.shape[-1] // 2
+    ids = view.rope.pos[:, first : first + n].long()  # [B, n]: no padding here
+    table = view.rope.cos[ids].double()[:, None], view.rope.sin[ids].double()[:, None]  # [B, 1, n, D/2]
+    angle = ids.double()[:, None, :, None] * inv_freq.double()
+    h = K[:, :, first : first + n].double()
+    x, y = h[..., :half], h[..., half:]
+    x, y = x * table[0] + y * table[1], y * table[0] - x * table[1]  # the table's rotation undone (orthogonal)
+    out = K.double().clone()
+    out[:, :, first : first + n] = torch.cat([x * angle.cos() - y * angle.sin(), y * angle.cos() + x * angle.sin()], -1)
+    return out
+
+
 def fp64_attention(q, K, V, mask, scale):
     m = mask if mask is None or mask.dtype == torch.bool else mask.double()
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -57,9 +75,9 @@ ROPE_CASES = [
 @pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}-R{c[2]}-S{c[3]}-D{c[4]}-r{c[5]}")
 def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
     """rope=pre keys rotated in the kernel (view.rope) give the PyTorch path's output (history dequantized and
-    re-rotated in Python) within fp32 rounding, with every mask kind; both within twice the PyTorch path's error of
-    fp64 attention over the materialized cache. The same view without its rotation must differ (the oracle can
-    fail)."""
+    re-rotated in Python) within fp32 rounding (of the operations and of the table's angles), with every mask kind;
+    the kernel within twice the PyTorch path's error of fp64 attention with exact RoPE over the materialized cache.
+    The same view without its rotation must differ (the oracle can fail)."""
     key, value, R, S, D, r, B, L, T = case
     layer = layer_of(key, value, R, S, D)
     g = torch.Generator().manual_seed(T + D)
@@ -76,6 +94,7 @@ def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
         q = torch.randn(B, 2 * r, 1, D, generator=g) * 2
         scale = D**-0.5
         K, V = layer.materialize()
+        K = exact_angles(K, view, layer.rope.rotary_emb.inv_freq)
         for mask in (None, torch.rand(B, 1, 1, N + 1, generator=g) > 0.3, torch.randn(B, 1, 1, N + 1, generator=g)):
             got = cpu_kernel.decode_attention(view, q, mask, scale)
             ours = decode_attention_torch(layer.view_for(PLAIN), q, mask, scale)
@@ -89,6 +108,31 @@ def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
             assert (unrotated - decode_attention_torch(layer.view_for(PLAIN), q, None, scale)).abs().max() > 1e-2
     assert checked >= 9
     # fp32 rounding in another order (16 partial sums, a polynomial exp): ~1e-6 at these score sizes
+    assert err_kernel <= 2 * err_torch + 5e-6, (err_kernel, err_torch)
+
+
+def test_rope_pre_with_position_ids_of_the_callers_own():
+    """Position ids that are not consecutive (per row: consecutive from 5, strided, falling, repeated) give the PyTorch
+    path's output, and are as close to exact RoPE: the kernel rotates a segment's rows at their offsets from its base
+    only where the segment's ids allow it (consecutive enough, in the table), the others at their own ids."""
+    layer = layer_of((2, 32, "channel"), (2, 32, "token"), 32, 0, 64)
+    B, L = 4, 300
+    t = torch.arange(L + 1)
+    ids = torch.stack([t + 5, t * 3, (L - t) + 40, t // 2])
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(B, 2, L + 1, 64, generator=g), torch.randn(B, 2, L + 1, 64, generator=g)
+    k[..., 5] *= 10
+    layer.update(k[:, :, :L], v[:, :, :L], kwargs={"position_ids": ids[:, :L]})
+    layer.update(k[:, :, L:], v[:, :, L:], kwargs={"position_ids": ids[:, L:]})
+    view = layer.view_for(ROPE)
+    assert view.keys.n > 250 and torch.equal(view.rope.pos[:, : L + 1], ids.to(torch.int32))
+    q = torch.randn(B, 6, 1, 64, generator=g) * 2
+    got = cpu_kernel.decode_attention(view, q, None, 0.125)
+    ours = decode_attention_torch(layer.view_for(PLAIN), q, None, 0.125)
+    torch.testing.assert_close(got, ours, rtol=1e-4, atol=1e-4)
+    K, V = layer.materialize()
+    exact = fp64_attention(q, exact_angles(K, view, layer.rope.rotary_emb.inv_freq), V, None, 0.125)
+    err_kernel, err_torch = (got.double() - exact).abs().max().item(), (ours.double() - exact).abs().max().item()
     assert err_kernel <= 2 * err_torch + 5e-6, (err_kernel, err_torch)
 
 

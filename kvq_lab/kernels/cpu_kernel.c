@@ -38,14 +38,23 @@ weight 0), then its own sinks (j = p - pads[b] < s), then its stream positions; 
 absolute position p is p - starts[b], history while below counts[b], else the window row of p. Without padding,
 pads = 0, starts = s and counts = n for every row, the layout this kernel had before.
 
-rope=pre (keys quantized before RoPE, KVQuant): history keys are stored pre-RoPE; each history key row is rotated at
-its position id just before its dot products (`rope_row`; one by one as they are dequantized, from a row on the stack
-still in L1, not from a dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P,
-D/2], the halves of transformers' duplicated cos/sin), in the reference's order of operations: k*cos +
-rotate_half(k)*sin, two products and one sum per element, no fma. A table read, not a sincos per row: the same values
-the PyTorch path rotates with (it reads the same table), and no transcendental per row (measured in
-experiments/cache_speed/README.md). Sinks and window keys are exact post-RoPE keys, as the model made them (the cache
-applies rope_pre to a window only when it quantizes it), read as they are.
+rope=pre (keys quantized before RoPE, KVQuant): history keys are stored pre-RoPE; each history key row is rotated
+just before its dot products (`rope_row`; one by one as they are dequantized, from a row on the stack still in L1, not
+from a dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P, D/2], the halves of
+transformers' duplicated cos/sin), in the reference's order of operations: k*cos + rotate_half(k)*sin, two products
+and one sum per element, no fma. A table read, not a sincos per row: the values the PyTorch path rotates with (it
+reads the same table), and no transcendental per row (measured in experiments/cache_speed/README.md). The rotation is
+split by segment (KVQ_ROPE_SEG): the history rows of a segment, whose ids are base .. base + SEG - 1, are rotated at
+their offsets id - base (the table's first SEG rows, which stay in L1) and the query, once per segment and query
+head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations of one pair of
+channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row: one table
+pass per layer was more bytes than the 2-bit keys and values it rotates. The factors are the model's own table rows,
+so the product differs from the reference's row at base + o only by fp32 rounding of the angles (transformers
+computes each angle as one fp32 product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the
+fastest pairs but the first, whose inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's
+error; tested against the PyTorch path and exact RoPE in fp64. A segment whose ids are not consecutive enough (ids
+kept as given) or leave the table is rotated row by row at its ids. Sinks and window keys are exact post-RoPE keys, as the model made them (the cache applies rope_pre to
+a window only when it quantizes it), read as they are, with the query unrotated.
 */
 #include <math.h>
 #include <stdint.h>
@@ -57,6 +66,8 @@ applies rope_pre to a window only when it quantizes it), read as they are.
 #define KVQ_MAX_CHUNK 256
 #define KVQ_SUB_FLOATS 8192 /* dequantized rows per sub-block of a task: 32 KB */
 #define KVQ_MAX_R 32
+#define KVQ_ROPE_SEG 32       /* rope=pre: history rows per rotation segment (their offset rows: 8 KB at D = 64) */
+#define KVQ_QROT_FLOATS 4096  /* rope=pre: the rotated queries of a kv head's r heads (r * D floats) fit this */
 
 /* One tensor (keys or values) of one layer. Every field is int64 so the Python side fills a flat array;
    pointers are addresses. Strides are in elements of the pointed-to type; the last dim has stride 1. */
@@ -268,16 +279,29 @@ static inline int64_t rope_at(const Args *a, int64_t id, const float *restrict k
     return 0;
 }
 
+/* The base of a rope segment of n rows with position ids ids[0 .. n-1]: ids[0] when every id is in the table and
+   in ids[0] .. ids[0] + KVQ_ROPE_SEG - 1 and the call's rotated queries fit (rows rotated at id - base, the query
+   by -base), else -1 (rows rotated at their own ids, the query as it is). */
+static inline int64_t segment_base(const Args *a, const int32_t *ids, int64_t n) {
+    const int64_t base = ids[0];
+    if (base < 0 || (a->Hq / a->Hkv) * a->D > KVQ_QROT_FLOATS) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] - base < 0 || ids[i] - base >= KVQ_ROPE_SEG || ids[i] >= a->P) return -1;
+    return base;
+}
+
 /* Dequantize history rows t0 .. t0 + n - 1 (storage positions) of stream st at (b, h) into out[n][D] (mf: the
    stream's minifloat_of, deq_run_table's); with `ra` (rope=pre keys: the call's Args; 0 otherwise), each row is
-   dequantized into a row on the stack and rotated from there into out at its position id ids[i] (rope_at, while
-   the row is in registers or L1), and the rows outside the rope table are counted (returned; else 0). The run's
+   dequantized into a row on the stack and rotated from there into out (rope_at, while the row is in registers or
+   L1): by segments of KVQ_ROPE_SEG storage positions, at id - base where the segment has a base (segment_base),
+   else at its id; based[i] gets row i's base (-1: none), and the rows outside the rope table are counted
+   (returned; else 0). The run's
    indices advance row by row (block, plane, row within the plane; per-channel parameters reloaded as a group
    starts), so no row pays an integer division. */
 static inline __attribute__((always_inline)) int64_t history_rows_dg(const Stream *st, int mf, const Args *ra,
-                                                                      const int32_t *ids, int64_t b, int64_t h,
-                                                                      int64_t t0, int64_t n, int64_t D, int64_t G,
-                                                                      float *restrict out) {
+                                                                      const int32_t *ids, int64_t *based, int64_t b,
+                                                                      int64_t h, int64_t t0, int64_t n, int64_t D,
+                                                                      int64_t G, float *restrict out) {
     const int64_t m = st->m, nb = st->nb, u = KVQ_BLOCK / m;
     const uint16_t *sc = (const uint16_t *)st->scale + b * st->pb + h * st->ph;
     const uint16_t *zp = st->zero ? (const uint16_t *)st->zero + b * st->pb + h * st->ph : 0;
@@ -293,9 +317,15 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
     int64_t blk = t0 / KVQ_BLOCK, k = (t0 % KVQ_BLOCK) / m, rr = (t0 % KVQ_BLOCK) % m;
     int64_t g_end = 0;  /* per-channel groups: the first row after the loaded group */
     float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D], krow[KVQ_MAX_D];
-    int64_t bad = 0;
+    int64_t bad = 0, seg_end = 0, off = 0;  /* rope: the current segment's end (row index) and its rows' id shift */
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = t0 + i;
+        if (ra && i >= seg_end) {  /* a new rope segment: storage positions up to the next multiple of SEG */
+            seg_end = i + KVQ_ROPE_SEG - t % KVQ_ROPE_SEG < n ? i + KVQ_ROPE_SEG - t % KVQ_ROPE_SEG : n;
+            const int64_t base = segment_base(ra, ids + i, seg_end - i);
+            for (int64_t k = i; k < seg_end; k++) based[k] = base;
+            off = base < 0 ? 0 : base;
+        }
         const uint8_t *row = codes + (blk * nb * m + rr) * st->cr;
         const unsigned shift = (unsigned)(st->bits * k);
         float *o = ra ? krow : out + i * D;  /* 0 once the row is in out, rotated (deq_rope_run) */
@@ -319,8 +349,8 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
                 else
                     for (int64_t d = 0; d < D; d++) sbuf[d] = half_to_float(sc[g * st->pt + d]);
             }
-            if (ra && !table && nb == 1 && ids[i] >= 0 && ids[i] < ra->P) {  /* int codes of <= 8 bits: fused */
-                const int64_t id = ids[i];
+            if (ra && !table && nb == 1 && ids[i] - off >= 0 && ids[i] - off < ra->P) {  /* int <= 8 bits: fused */
+                const int64_t id = ids[i] - off;
                 deq_rope_run(out + i * D, row, shift, mask, sbuf, zbuf, (const float *)ra->rcos + id * (D / 2),
                              (const float *)ra->rsin + id * (D / 2), D);
                 o = 0;
@@ -329,7 +359,7 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
             else
                 deq_run(o, row, plane, nb, shift, mask, sbuf, zbuf, 1, D);
         }
-        if (ra && o) bad += rope_at(ra, ids[i], krow, D, out + i * D);
+        if (ra && o) bad += rope_at(ra, ids[i] - off, krow, D, out + i * D);
         if (++rr == m) {  /* next row of the block: the next plane row, then the next field, then the next block */
             rr = 0;
             if (++k == u) {
@@ -343,14 +373,14 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
 
 /* history_rows_dg with the head size and group size as constants for the common shapes (64 / 128 channels, groups
    of 32 / 64 / 128), so the compiler unrolls the dequantization loops; any other shape takes the general loops. */
-static int64_t history_rows(const Stream *st, int mf, const Args *ra, const int32_t *ids, int64_t b, int64_t h,
-                            int64_t t0, int64_t n, int64_t D, float *restrict out) {
+static int64_t history_rows(const Stream *st, int mf, const Args *ra, const int32_t *ids, int64_t *based, int64_t b,
+                            int64_t h, int64_t t0, int64_t n, int64_t D, float *restrict out) {
     const int64_t G = st->group;
 #define KVQ_SHAPE(d, g) \
-    if (D == d && G == g) return history_rows_dg(st, mf, ra, ids, b, h, t0, n, d, g, out);
+    if (D == d && G == g) return history_rows_dg(st, mf, ra, ids, based, b, h, t0, n, d, g, out);
     KVQ_SHAPE(64, 32) KVQ_SHAPE(64, 64) KVQ_SHAPE(128, 32) KVQ_SHAPE(128, 64) KVQ_SHAPE(128, 128)
 #undef KVQ_SHAPE
-    return history_rows_dg(st, mf, ra, ids, b, h, t0, n, D, G, out);
+    return history_rows_dg(st, mf, ra, ids, based, b, h, t0, n, D, G, out);
 }
 
 /* Row `i` (element offset) of an exact buffer in the model's dtype: fp32 in place, fp16 / bf16 converted into buf
@@ -371,33 +401,36 @@ static inline const float *exact_row(int64_t base, int64_t i, int64_t xdt, int64
 /* Rows of positions [pa, pb) of one stream at (b, h), each p >= pads[b] (j = p - pad, its index among row b's real
    tokens): rows[i] points at the D floats of position pa + i. fp32 sinks and window rows are read in place; history
    rows are dequantized (a run of consecutive rows at once) and fp16 / bf16 rows converted into slot i of buf
-   ([pb - pa][D]); with `rope` (keys under rope=pre), history rows are rotated at their position ids as they are
-   dequantized (history_rows); sinks and window rows are post-RoPE already. Returns the rows whose position id is
-   outside the rope table (their rows are left unrotated; the call's result is refused). */
+   ([pb - pa][D]); with `based` (keys under rope=pre), history rows are rotated as they are dequantized
+   (history_rows), and based[i] is the id row i was rotated from (its segment's base: the query must be rotated back
+   by it), or -1 (rotated at its own id, or a sink or window row, post-RoPE already). Returns the rows whose position
+   id is outside the rope table (their rows are left unrotated; the call's result is refused). */
 static int64_t fill_rows(const Args *a, const Stream *st, int mf, int64_t b, int64_t h, int64_t pa, int64_t pb,
-                         int64_t pad, float *restrict buf, int rope, const float **rows) {
+                         int64_t pad, float *restrict buf, int64_t *based, const float **rows) {
     const int64_t D = a->D, xdt = st->xdt;
     const int64_t start = st->starts ? ((const int64_t *)st->starts)[b] : a->s;
     const int64_t count = st->counts ? ((const int64_t *)st->counts)[b] : st->n;
-    const int32_t *pos = rope ? (const int32_t *)a->pos + b * a->pb : 0;
+    const int32_t *pos = based ? (const int32_t *)a->pos + b * a->pb : 0;
     int64_t bad = 0;
     for (int64_t p = pa; p < pb;) {
         const int64_t i = p - pa, j = p - pad;
         float *slot = buf + i * D;
         if (j < a->s) {  /* a sink: exact, as the model made it (post-RoPE) */
             rows[i] = exact_row(st->sink, b * st->sb + h * st->sh + j * st->st, xdt, D, slot);
+            if (based) based[i] = -1;
             p++;
             continue;
         }
         const int64_t t = p - start;
         if (t < count) {  /* a run of history rows, dequantized (and rotated) at once */
             const int64_t n = (start + count < pb ? start + count : pb) - p;
-            bad += history_rows(st, mf, rope ? a : 0, pos ? pos + p : 0, b, h, t, n, D, slot);
+            bad += history_rows(st, mf, based ? a : 0, pos ? pos + p : 0, based ? based + i : 0, b, h, t, n, D, slot);
             for (int64_t k = 0; k < n; k++) rows[i + k] = slot + k * D;
             p += n;
             continue;
         }
         rows[i] = exact_row(st->win, b * st->wb + h * st->wh + (st->W - (a->N - p)) * st->wt, xdt, D, slot);
+        if (based) based[i] = -1;
         p++;
     }
     return bad;
@@ -628,10 +661,38 @@ static inline void weighted_sum(float *restrict acc, const float *restrict w, co
     }
 }
 
+/* sc[i * T + k] = dot(q + i * qs, rows[k]) * scaling + add[k] for query heads i < r and rows k < n (add: the
+   mask's values from the first row's, or NULL for none: + 0.0f), four rows at a time (dot4, the same bits as dot) */
+static inline void scores_of(const float *q, int64_t qs, int64_t r, const float *const *rows, int64_t n, int64_t D,
+                             float scaling, const float *add, float *restrict sc, int64_t T) {
+    int64_t k = 0;
+    for (; k + 4 <= n; k += 4)
+        for (int64_t i = 0; i < r; i++) dot4(q + i * qs, rows + k, D, scaling, add ? add + k : 0, sc + i * T + k);
+    for (; k < n; k++)
+        for (int64_t i = 0; i < r; i++) sc[i * T + k] = dot(q + i * qs, rows[k], D) * scaling + (add ? add[k] : 0.0f);
+}
+
+/* out[i] = R(id)^T q_i for query heads i < r (q_i at q + i * qs; out rows of D contiguous floats): the query
+   rotated by -id with c, s the table rows of id, pairs (j, j + D/2) as rope_row's, so that q_i . R(o) k (a key
+   row rotated at its offset o in a rope segment of base id) is q_i . R(id + o) k */
+static inline void unrotate_query(const float *q, int64_t qs, int64_t r, int64_t D, const float *restrict c,
+                                  const float *restrict s, float *restrict out) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < r; i++) {
+        const float *x = q + i * qs;
+        float *y = out + i * D;
+        for (int64_t j = 0; j < h; j++) {
+            y[j] = x[j] * c[j] + x[j + h] * s[j];
+            y[j + h] = x[j + h] * c[j] - x[j] * s[j];
+        }
+    }
+}
+
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
    chunk's score max, its sum of exp(score - max), and the exp-weighted sum of value rows (D floats). Rows are read in
    sub-blocks of KVQ_SUB_FLOATS / D positions (fill_rows), so dequantized rows stay in the L1 cache. mf: the keys'
-   and values' minifloat_of. */
+   and values' minifloat_of. Under rope=pre, the rows of a sub-block with one rope segment base take that base's
+   rotated queries (unrotate_query, made once per base), the others the query as it is. */
 static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h, int64_t p0, int64_t p1,
                             float scaling, float *restrict part) {
     int64_t bad = 0;  /* position ids outside the rope table */
@@ -640,6 +701,9 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
     float sc[KVQ_MAX_R * KVQ_MAX_CHUNK];
     float buf[KVQ_SUB_FLOATS];
     const float *rows[KVQ_MAX_CHUNK];
+    int64_t based[KVQ_MAX_CHUNK], qbase = -1;  /* rope=pre: each row's segment base (fill_rows); qr's base */
+    float qr[KVQ_QROT_FLOATS];
+    const int rope = a->rcos != 0;
     const float *q = (const float *)a->q + b * a->qb + h * r * a->qh;
     const float *mask = a->mask ? (const float *)a->mask + b * a->mb : 0;
     const int64_t pad = a->pads ? ((const int64_t *)a->pads)[b] : 0;
@@ -648,14 +712,20 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
         for (int64_t i = 0; i < r; i++) sc[i * T + (p - p0)] = -INFINITY;
     for (int64_t pa = q0; pa < p1; pa += sub) {
         const int64_t pb = pa + sub < p1 ? pa + sub : p1;
-        bad += fill_rows(a, &a->k, mf[0], b, h, pa, pb, pad, buf, a->rcos != 0, rows);
-        int64_t p = pa;
-        for (; p + 4 <= pb; p += 4)  /* four rows at a time, each query head's four scores in one loop */
-            for (int64_t i = 0; i < r; i++)
-                dot4(q + i * a->qh, rows + (p - pa), D, scaling, mask ? mask + p : 0, sc + i * T + (p - p0));
-        for (; p < pb; p++) {
-            for (int64_t i = 0; i < r; i++)
-                sc[i * T + (p - p0)] = dot(q + i * a->qh, rows[p - pa], D) * scaling + (mask ? mask[p] : 0.0f);
+        bad += fill_rows(a, &a->k, mf[0], b, h, pa, pb, pad, buf, rope ? based : 0, rows);
+        for (int64_t p = pa; p < pb;) {  /* runs of rows with one base (one run without rope=pre) */
+            const int64_t base = rope ? based[p - pa] : -1;
+            int64_t e = p + 1;
+            while (rope && e < pb && based[e - pa] == base) e++;
+            if (!rope) e = pb;
+            if (base >= 0 && base != qbase) {
+                unrotate_query(q, a->qh, r, D, (const float *)a->rcos + base * (D / 2),
+                               (const float *)a->rsin + base * (D / 2), qr);
+                qbase = base;
+            }
+            scores_of(base >= 0 ? qr : q, base >= 0 ? D : a->qh, r, rows + (p - pa), e - p, D, scaling,
+                      mask ? mask + p : 0, sc + (p - p0), T);
+            p = e;
         }
     }
     for (int64_t i = 0; i < r; i++) {
@@ -757,9 +827,9 @@ void kvq_fwht_blocks(const int64_t *a, int64_t count, float scale) {
 }
 
 /* Tasks (chunk, b, kv head) over `threads` OpenMP threads, chunk-major: a thread's consecutive tasks cover the same
-   positions for every row and head, so under rope=pre the table rows of a chunk (256 B per position: cos and sin,
-   fp32) are read from memory once per layer and then from the L1/L2 cache, where head-major order read the whole
-   table B * Hkv times (2 MB each at 8192 tokens: more bytes than the 2-bit keys and values; ~60% of rope=pre's
+   positions for every row and head, so under rope=pre the table rows a chunk reads (its segments' bases; every row's
+   where ids are not consecutive) are read from memory once per layer and then from the L1/L2 cache, where head-major
+   order read them B * Hkv times (before rope segments, the whole table, 2 MB at 8192 tokens: ~60% of rope=pre's
    extra step time in a bf16 model at 8192, measured by pointing every id at one table row). Then the chunks of each
    query head are combined (the same order as before: the same bits). Built
    with -fopenmp and loaded after PyTorch, the library binds to the libgomp PyTorch already loaded (same soname),
