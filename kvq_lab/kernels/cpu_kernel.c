@@ -53,8 +53,9 @@ so the product differs from the reference's row at base + o only by fp32 roundin
 computes each angle as one fp32 product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the
 fastest pairs but the first, whose inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's
 error; tested against the PyTorch path and exact RoPE in fp64. A segment whose ids are not consecutive enough (ids
-kept as given) or leave the table is rotated row by row at its ids. Sinks and window keys are exact post-RoPE keys, as the model made them (the cache applies rope_pre to
-a window only when it quantizes it), read as they are, with the query unrotated.
+kept as given) or leave the table is rotated row by row at its ids. Sinks and window keys are exact post-RoPE keys,
+as the model made them (the cache applies rope_pre to a window only when it quantizes it), read as they are, with the
+query unrotated.
 */
 #include <math.h>
 #include <stdint.h>
@@ -295,9 +296,8 @@ static inline int64_t segment_base(const Args *a, const int32_t *ids, int64_t n)
    dequantized into a row on the stack and rotated from there into out (rope_at, while the row is in registers or
    L1): by segments of KVQ_ROPE_SEG storage positions, at id - base where the segment has a base (segment_base),
    else at its id; based[i] gets row i's base (-1: none), and the rows outside the rope table are counted
-   (returned; else 0). The run's
-   indices advance row by row (block, plane, row within the plane; per-channel parameters reloaded as a group
-   starts), so no row pays an integer division. */
+   (returned; else 0). The run's indices advance row by row (block, plane, row within the plane; per-channel
+   parameters reloaded as a group starts), so no row pays an integer division. */
 static inline __attribute__((always_inline)) int64_t history_rows_dg(const Stream *st, int mf, const Args *ra,
                                                                       const int32_t *ids, int64_t *based, int64_t b,
                                                                       int64_t h, int64_t t0, int64_t n, int64_t D,
