@@ -243,13 +243,14 @@ static inline void deq_run_table(float *restrict out, const uint8_t *restrict ro
 }
 
 /* out = k rotated by RoPE at one position: c, s the table rows [D/2] of its position id; rotate_half's pairing
-   (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. */
-static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, int64_t D,
-                            float *restrict out) {
+   (i, i + D/2), each output k[i]*c[i] -/+ k[partner]*s[i] with the reference's two roundings and one sum. dir = -1
+   rotates back (R^T: the sines negated, exactly); a constant at each call, folded by the compiler. */
+static inline void rope_row(const float *restrict k, const float *restrict c, const float *restrict s, float dir,
+                            int64_t D, float *restrict out) {
     const int64_t h = D / 2;
     for (int64_t i = 0; i < h; i++) {
-        out[i] = k[i] * c[i] - k[i + h] * s[i];
-        out[i + h] = k[i + h] * c[i] + k[i] * s[i];
+        out[i] = k[i] * c[i] - k[i + h] * (dir * s[i]);
+        out[i + h] = k[i + h] * c[i] + k[i] * (dir * s[i]);
     }
 }
 
@@ -276,16 +277,16 @@ static inline int64_t rope_at(const Args *a, int64_t id, const float *restrict k
         memcpy(out, k, (size_t)D * sizeof *out);
         return 1;
     }
-    rope_row(k, (const float *)a->rcos + id * (D / 2), (const float *)a->rsin + id * (D / 2), D, out);
+    rope_row(k, (const float *)a->rcos + id * (D / 2), (const float *)a->rsin + id * (D / 2), 1.0f, D, out);
     return 0;
 }
 
 /* The base of a rope segment of n rows with position ids ids[0 .. n-1]: ids[0] when every id is in the table and
-   in ids[0] .. ids[0] + KVQ_ROPE_SEG - 1 and the call's rotated queries fit (rows rotated at id - base, the query
-   by -base), else -1 (rows rotated at their own ids, the query as it is). */
+   in ids[0] .. ids[0] + KVQ_ROPE_SEG - 1 (rows rotated at id - base, the query by -base), else -1 (rows rotated at
+   their own ids, the query as it is). */
 static inline int64_t segment_base(const Args *a, const int32_t *ids, int64_t n) {
     const int64_t base = ids[0];
-    if (base < 0 || (a->Hq / a->Hkv) * a->D > KVQ_QROT_FLOATS) return -1;
+    if (base < 0) return -1;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] - base < 0 || ids[i] - base >= KVQ_ROPE_SEG || ids[i] >= a->P) return -1;
     return base;
@@ -318,11 +319,14 @@ static inline __attribute__((always_inline)) int64_t history_rows_dg(const Strea
     int64_t g_end = 0;  /* per-channel groups: the first row after the loaded group */
     float sbuf[KVQ_MAX_D], zbuf[KVQ_MAX_D], krow[KVQ_MAX_D];
     int64_t bad = 0, seg_end = 0, off = 0;  /* rope: the current segment's end (row index) and its rows' id shift */
+    /* segments need the call's rotated queries to fit attend_chunk's buffer; else every row is rotated at its id */
+    const int segments = ra && (ra->Hq / ra->Hkv) * D <= KVQ_QROT_FLOATS;
     for (int64_t i = 0; i < n; i++) {
         const int64_t t = t0 + i;
         if (ra && i >= seg_end) {  /* a new rope segment: storage positions up to the next multiple of SEG */
-            seg_end = i + KVQ_ROPE_SEG - t % KVQ_ROPE_SEG < n ? i + KVQ_ROPE_SEG - t % KVQ_ROPE_SEG : n;
-            const int64_t base = segment_base(ra, ids + i, seg_end - i);
+            const int64_t next = i + KVQ_ROPE_SEG - t % KVQ_ROPE_SEG;
+            seg_end = next < n ? next : n;
+            const int64_t base = segments ? segment_base(ra, ids + i, seg_end - i) : -1;
             for (int64_t k = i; k < seg_end; k++) based[k] = base;
             off = base < 0 ? 0 : base;
         }
@@ -677,15 +681,7 @@ static inline void scores_of(const float *q, int64_t qs, int64_t r, const float 
    row rotated at its offset o in a rope segment of base id) is q_i . R(id + o) k */
 static inline void unrotate_query(const float *q, int64_t qs, int64_t r, int64_t D, const float *restrict c,
                                   const float *restrict s, float *restrict out) {
-    const int64_t h = D / 2;
-    for (int64_t i = 0; i < r; i++) {
-        const float *x = q + i * qs;
-        float *y = out + i * D;
-        for (int64_t j = 0; j < h; j++) {
-            y[j] = x[j] * c[j] + x[j + h] * s[j];
-            y[j + h] = x[j + h] * c[j] - x[j] * s[j];
-        }
-    }
+    for (int64_t i = 0; i < r; i++) rope_row(q + i * qs, c, s, -1.0f, D, out + i * D);
 }
 
 /* One task: positions [p0, p1) of kv head h of batch row b, for its r query heads. Writes, per query head, the
@@ -715,9 +711,8 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
         bad += fill_rows(a, &a->k, mf[0], b, h, pa, pb, pad, buf, rope ? based : 0, rows);
         for (int64_t p = pa; p < pb;) {  /* runs of rows with one base (one run without rope=pre) */
             const int64_t base = rope ? based[p - pa] : -1;
-            int64_t e = p + 1;
-            while (rope && e < pb && based[e - pa] == base) e++;
-            if (!rope) e = pb;
+            int64_t e = rope ? p + 1 : pb;
+            while (e < pb && based[e - pa] == base) e++;
             if (base >= 0 && base != qbase) {
                 unrotate_query(q, a->qh, r, D, (const float *)a->rcos + base * (D / 2),
                                (const float *)a->rsin + base * (D / 2), qr);
