@@ -45,10 +45,12 @@ transformers' duplicated cos/sin), in the reference's order of operations: k*cos
 and one sum per element, no fma. A table read, not a sincos per row: the values the PyTorch path rotates with (it
 reads the same table), and no transcendental per row (measured in experiments/cache_speed/README.md). The rotation is
 split by segment (KVQ_ROPE_SEG): the history rows of a segment, whose ids are base .. base + SEG - 1, are rotated at
-their offsets id - base (the table's first SEG rows, which stay in L1) and the query, once per segment and query
-head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations of one pair of
-channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row: one table
-pass per layer was more bytes than the 2-bit keys and values it rotates. The factors are the model's own table rows,
+their offsets id - base (the table's first SEG rows, which stay in the L1 / L2 cache) and the query, once per
+segment and query head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations
+of one pair of channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row:
+one table pass per layer was more bytes than the 2-bit keys and values it rotates. SEG = 128 rows, not 32: with 32,
+the query rotations (r per segment) and the score runs cut at every segment end cost about a third of rope=pre's extra
+time (measured, experiments/cache_speed/README.md). The factors are the model's own table rows,
 so the product differs from the reference's row at base + o only by fp32 rounding of the angles (transformers
 computes each angle as one fp32 product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the
 fastest pairs but the first, whose inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's
@@ -67,7 +69,7 @@ query unrotated.
 #define KVQ_MAX_CHUNK 256
 #define KVQ_SUB_FLOATS 8192 /* dequantized rows per sub-block of a task: 32 KB */
 #define KVQ_MAX_R 32
-#define KVQ_ROPE_SEG 32       /* rope=pre: history rows per rotation segment (their offset rows: 8 KB at D = 64) */
+#define KVQ_ROPE_SEG 128      /* rope=pre: history rows per rotation segment (their offset rows: 32 KB at D = 64) */
 #define KVQ_QROT_FLOATS 4096  /* rope=pre: the rotated queries of a kv head's r heads (r * D floats) fit this */
 
 /* One tensor (keys or values) of one layer. Every field is int64 so the Python side fills a flat array;
@@ -285,11 +287,13 @@ static inline int64_t rope_at(const Args *a, int64_t id, const float *restrict k
    in ids[0] .. ids[0] + KVQ_ROPE_SEG - 1 (rows rotated at id - base, the query by -base), else -1 (rows rotated at
    their own ids, the query as it is). */
 static inline int64_t segment_base(const Args *a, const int32_t *ids, int64_t n) {
-    const int64_t base = ids[0];
-    if (base < 0) return -1;
-    for (int64_t i = 0; i < n; i++)
-        if (ids[i] - base < 0 || ids[i] - base >= KVQ_ROPE_SEG || ids[i] >= a->P) return -1;
-    return base;
+    const int32_t base = ids[0];
+    int32_t lo = base, hi = base;
+    for (int64_t i = 1; i < n; i++) {  /* no early exit: a loop the compiler vectorises */
+        lo = ids[i] < lo ? ids[i] : lo;
+        hi = ids[i] > hi ? ids[i] : hi;
+    }
+    return base >= 0 && lo == base && (int64_t)hi - base < KVQ_ROPE_SEG && hi < a->P ? base : -1;
 }
 
 /* Dequantize history rows t0 .. t0 + n - 1 (storage positions) of stream st at (b, h) into out[n][D] (mf: the
