@@ -1,0 +1,14 @@
+set -x
+cd /tmp/wt
+P=/work/main/.venv/bin/python
+O=/tmp/r13/run13
+b() { name=$1; shift; echo "== $name $(date -u +%H:%M:%S)"; $P scripts/bench_cache.py "$@" --json $O/$name.json > $O/$name.md 2> $O/$name.err; echo "== done $name $(date -u +%H:%M:%S) rc=$?"; }
+b fp32_b1_8192 --settings fp32-b1 --lengths 8192 --only "R128 (cpu)" "preRoPE (cpu)" "hadamard (cpu)" --repeats 1 --new-tokens 60 --warmup 8
+b fp32_b1_4096 --settings fp32-b1 --lengths 4096 --only "R128 (cpu)" "preRoPE (cpu)" "hadamard (cpu)" --repeats 2 --new-tokens 60 --warmup 8
+b fp32_b1_512 --settings fp32-b1 --lengths 512 --only "R128 (cpu)" "preRoPE (cpu)" "hadamard (cpu)" --repeats 3 --new-tokens 200 --warmup 8
+b fp32_b4_512 --settings fp32-b4 --lengths 512 --only "R128 (cpu)" "preRoPE (cpu)" --repeats 2 --new-tokens 100 --warmup 8
+b fp32_b4_4096 --settings fp32-b4 --lengths 4096 --only "R128 (cpu)" "preRoPE (cpu)" --repeats 1 --new-tokens 60 --warmup 8
+b bf16_b1_512 --settings bf16-b1 --lengths 512 --only "R128 (cpu)" "preRoPE (cpu)" --repeats 3 --new-tokens 200 --warmup 8
+b bf16_b1_4096 --settings bf16-b1 --lengths 4096 --only "R128 (cpu)" "preRoPE (cpu)" --repeats 1 --new-tokens 60 --warmup 8
+b bf16_b1_8192 --settings bf16-b1 --lengths 8192 --only "R128 (cpu)" "preRoPE (cpu)" --repeats 1 --new-tokens 60 --warmup 8
+echo ALLDONE
