@@ -38,26 +38,25 @@ weight 0), then its own sinks (j = p - pads[b] < s), then its stream positions; 
 absolute position p is p - starts[b], history while below counts[b], else the window row of p. Without padding,
 pads = 0, starts = s and counts = n for every row, the layout this kernel had before.
 
-rope=pre (keys quantized before RoPE, KVQuant): history keys are stored pre-RoPE; each history key row is rotated
-just before its dot products (`rope_row`; one by one as they are dequantized, from a row on the stack still in L1, not
-from a dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P, D/2], the halves of
-transformers' duplicated cos/sin), in the reference's order of operations: k*cos + rotate_half(k)*sin, two products
-and one sum per element, no fma. A table read, not a sincos per row: the values the PyTorch path rotates with (it
-reads the same table), and no transcendental per row (measured in experiments/cache_speed/README.md). The rotation is
-split by segment (KVQ_ROPE_SEG): the history rows of a segment, whose ids are base .. base + SEG - 1, are rotated at
-their offsets id - base (the table's first SEG rows, which stay in the L1 / L2 cache) and the query, once per
-segment and query head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations
-of one pair of channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row:
-one table pass per layer was more bytes than the 2-bit keys and values it rotates. SEG = 128 rows, not 32: with 32,
-the query rotations (r per segment) and the score runs cut at every segment end cost about a third of rope=pre's extra
-time (measured, experiments/cache_speed/README.md). The factors are the model's own table rows,
-so the product differs from the reference's row at base + o only by fp32 rounding of the angles (transformers
-computes each angle as one fp32 product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the
-fastest pairs but the first, whose inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's
-error; tested against the PyTorch path and exact RoPE in fp64. A segment whose ids are not consecutive enough (ids
-kept as given) or leave the table is rotated row by row at its ids. Sinks and window keys are exact post-RoPE keys,
-as the model made them (the cache applies rope_pre to a window only when it quantizes it), read as they are, with the
-query unrotated.
+rope=pre (keys quantized before RoPE, KVQuant): history keys are stored pre-RoPE; each history key row is rotated just
+before its dot products (`rope_row`; one by one as they are dequantized, from a row on the stack still in L1, not from a
+dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P, D/2], the halves of
+transformers' duplicated cos/sin), in the reference's order of operations: k*cos + rotate_half(k)*sin, two products and
+one sum per element, no fma. A table read, not a sincos per row: the values the PyTorch path rotates with (it reads the
+same table), and no transcendental per row (measured in experiments/cache_speed/README.md). The rotation is split by
+segment (KVQ_ROPE_SEG): the history rows of a segment, whose ids are base .. base + SEG - 1, are rotated at their
+offsets id - base (the table's first SEG rows, which stay in the L1 / L2 cache) and the query, once per segment and
+query head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations of one pair
+of channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row: one table
+pass per layer was more bytes than the 2-bit keys and values it rotates. SEG = 128 rows, not 32: with 32, the query
+rotations (r per segment) and the score runs cut at every segment end cost about a third of rope=pre's extra time
+(measured, experiments/cache_speed/README.md). The factors are the model's own table rows, so the product differs from
+the reference's row at base + o only by fp32 rounding of the angles (transformers computes each angle as one fp32
+product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the fastest pairs but the first, whose
+inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's error; tested against the PyTorch path
+and exact RoPE in fp64. A segment whose ids are not consecutive enough (ids kept as given) or leave the table is rotated
+row by row at its ids. Sinks and window keys are exact post-RoPE keys, as the model made them (the cache applies
+rope_pre to a window only when it quantizes it), read as they are, with the query unrotated.
 */
 #include <math.h>
 #include <stdint.h>
