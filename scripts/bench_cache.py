@@ -18,8 +18,11 @@ singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K 
 transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
 default axes, 0). The bf16 and batch-4 settings run DynamicCache and ours packed (auto, rope=post and pre).
 Caches alternate step by step: every cache of a setting and length is prefilled, then they decode in turn, one step
-each (A, B, C, A, B, C, ...), so that load from other processes hits every cache alike (the machine's speed drifts by
-10-30% over minutes here, while a step takes a fraction of a second); `--repeats` does it again with fresh caches.
+each, so that load from other processes hits every cache alike (the machine's speed drifts by 10-30% over minutes
+here, while a step takes a fraction of a second); the order changes from round to round (`step_orders`: A, B, C, then
+B, C, A, ...; every cache at every place and after every other cache equally often), since a fixed order made the
+cache right after DynamicCache 3-6% faster than the same cache later in the round; `--repeats` does it again with
+fresh caches.
 
 Decode tokens/s: rows per step over the median step time, pooled over the repeats' greedy steps after `--warmup`
 steps, each step one forward of one token per row (batch rows count once: a step of batch 4 is 4 tokens), prefill
@@ -260,14 +263,52 @@ class Run:
         return res
 
 
+def step_orders(n: int) -> list[list[int]]:
+    """The orders in which n caches take their steps, one order per round, used in turn: a Williams design (each
+    order a row of a Latin square whose first row is 0, 1, n-1, 2, n-2, ...; for odd n its mirror rows too), so over
+    the orders every cache takes every place in the round equally often and comes right after every other cache
+    equally often; the orders are put in a cycle where no round starts with the cache that ended the one before, so
+    no cache ever takes two steps in a row. Why: with one fixed order (A, B, C, A, B, C, ...) the same cache measured
+    3-6% faster right after DynamicCache than later in the round (an A/A test, experiments/cache_speed/README.md), a
+    bias that the ratios between caches carried."""
+    if n < 3:  # one cache, or two that alternate (each always after the other: balanced already)
+        return [list(range(n))]
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+
+    def chain(done: list[list[int]], left: list[list[int]]) -> list[list[int]] | None:
+        """`done` continued by every row of `left`, each starting where the previous does not end (a cycle)"""
+        if not left:
+            return done if done[-1][-1] != done[0][0] else None
+        for i, row in enumerate(left):
+            if row[0] != done[-1][-1]:
+                found = chain(done + [row], left[:i] + left[i + 1 :])
+                if found:
+                    return found
+        return None
+
+    return chain(rows[:1], rows[1:]) or rows
+
+
 def run_alternating(model, rows: list[Row], ids, mask, new_tokens: int, warmup: int) -> dict[str, dict]:
-    """Every cache of `rows` prefilled (one after the other), then decoded in turn, one step each: A, B, C, A, B,
-    C, ... Load from elsewhere on the machine that lasts longer than a step hits every cache alike. Returns each
+    """Every cache of `rows` prefilled (one after the other), then decoded in turn, one step each, in rounds whose
+    order changes from round to round (`step_orders`): A, B, C, then B, C, A, ... Load from elsewhere on the machine
+    that lasts longer than a step hits every cache alike, and no cache always runs after the same one. Returns each
     label's `Run.result`."""
-    runs = {r.label: Run(model, r.make, ids, mask) for r in rows}
-    for _ in range(new_tokens):
-        for run in runs.values():
-            run.step()
+    runs = [Run(model, r.make, ids, mask) for r in rows]
+    orders = step_orders(len(runs))
+    for step in range(new_tokens):
+        for i in orders[step % len(orders)]:
+            runs[i].step()
+    runs = dict(zip((r.label for r in rows), runs, strict=True))
     out = {label: run.result(warmup) for label, run in runs.items()}
     runs.clear()  # free the caches before the next repeat prefills
     return out

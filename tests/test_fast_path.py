@@ -381,13 +381,9 @@ BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "l
               "peak_bytes", "measured_over_arith", "transform"}  # fmt: skip
 
 
-def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]} with the code version and the arguments, the
-    issue's keys exactly, every setting's DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a
-    left-padded batch of 4, fp8, lut, hadamard), and the storage arithmetic within a few percent of what our packed
-    caches hold."""
+def bench_module(monkeypatch):
+    """scripts/bench_cache.py as a module (it is a script, not part of the package)"""
     import importlib.util
-    import json
     import sys
     from pathlib import Path
 
@@ -396,6 +392,36 @@ def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_cache", bench)  # its dataclass resolves annotations through it
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_bench_step_orders_are_balanced(monkeypatch, n):
+    """The benchmark's rounds of steps (`step_orders`): each round every cache once; over the orders every cache at
+    every place equally often and right after every other cache equally often within rounds, and, the orders taken
+    in a cycle, no cache right after itself (a cache's second step in a row would find its own data in the CPU
+    caches). Two caches simply alternate: each is always right after the other, whichever starts a round."""
+    from collections import Counter
+
+    orders = bench_module(monkeypatch).step_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    places = Counter((c, i) for order in orders for i, c in enumerate(order))
+    after = Counter((order[i - 1], order[i]) for order in orders for i in range(1, n))
+    if n > 2:
+        assert len(places) == n * n and len(set(places.values())) == 1
+        assert len(after) == n * (n - 1) and len(set(after.values())) == 1
+    stream = [c for order in orders for c in order] * 2
+    assert n == 1 or all(a != b for a, b in zip(stream, stream[1:], strict=False))
+
+
+def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]} with the code version and the arguments, the
+    issue's keys exactly, every setting's DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a
+    left-padded batch of 4, fp8, lut, hadamard), and the storage arithmetic within a few percent of what our packed
+    caches hold."""
+    import json
+
+    bench = bench_module(monkeypatch)
     out = tmp_path / "speed.json"
     args = ["--model", str(tiny_model_dir), "--lengths", "72", "--new-tokens", "3", "--warmup", "1", "--repeats", "1",
             "--recompute-rank", "64", "--json", str(out)]  # fmt: skip
