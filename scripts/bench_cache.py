@@ -43,6 +43,9 @@ with the keys
     transform hadamard on keys and values, or null
     length    prompt tokens (the padded length for a batch)
     tok_s     decode tokens/s (median step)         ratio    tok_s / DynamicCache's at the same length, dtype, batch
+    paired_ratio  DynamicCache's step time / this cache's, in the same round, median over rounds (`paired_ratio`)
+    pre_over_post, paired_pre_over_post  rope=pre rows of ours: tok_s / the rope=post row's, and the same paired;
+              else null
     prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat)
     measured_over_arith  peak bytes / storage arithmetic (ours packed; else null)
 """
@@ -52,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -298,6 +302,26 @@ def step_orders(n: int) -> list[list[int]]:
     return chain(rows[:1], rows[1:]) or rows
 
 
+def paired_ratio(a: list[dict], b: list[dict]) -> float:
+    """The median over every timed round of every repeat of a's step time / b's step time in that round (`Run.result`s
+    of two caches of one `run_alternating` per repeat): b's speed relative to a's, from steps taken side by side (one
+    right after the other), so that a change of the machine's speed that lasts a round or more cancels. The `ratio`
+    of medians compares steps of different rounds; on a machine whose speed moves by 20% from second to second the
+    paired ratio is the steadier (two caches of one configuration: within 2% paired where the medians differed by up
+    to 7%, experiments/cache_speed/README.md)."""
+    return statistics.median(
+        ta / tb for ra, rb in zip(a, b, strict=True) for ta, tb in zip(ra["step_s"], rb["step_s"], strict=True)
+    )
+
+
+def post_counterpart(row: Row, rows: list[Row]) -> Row | None:
+    """For a rope=pre row of ours, the row of the same cache with rope=post (the bar "rope=pre within 5% of rope=post"
+    compares the two), or None."""
+    if row.rope != "pre":
+        return None
+    return next((r for r in rows if r.rope == "post" and r.label == row.label.replace(" preRoPE", "")), None)
+
+
 def run_alternating(model, rows: list[Row], ids, mask, new_tokens: int, warmup: int) -> dict[str, dict]:
     """Every cache of `rows` prefilled (one after the other), then decoded in turn, one step each, in rounds whose
     order changes from round to round (`step_orders`): A, B, C, then B, C, A, ... Load from elsewhere on the machine
@@ -348,10 +372,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows_out: list[dict] = []
     dev = args.device
     where = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or platform.machine()
+    given = argv if argv is not None else sys.argv[1:]
     print(
         f"# {args.model} on {dev} ({where}, {torch.get_num_threads()} threads), "
         f"torch {torch.__version__}, greedy, {new_tokens} new tokens ({warmup} warm-up steps untimed), caches "
-        f"alternating step by step, median step of {repeats} repeat(s)"
+        f"alternating step by step, median step of {repeats} repeat(s)\n"
+        f"# command: python scripts/bench_cache.py {shlex.join(given)}\n"
+        f"# code: {code_version()}"
     )
     model = tok = None
     for setting in args.settings:
@@ -374,33 +401,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # decode tok/s: rows per step over the median timed step of all repeats
             tps_of = {k: batch / statistics.median(t for r in rs for t in r["step_s"]) for k, rs in results.items()}
             base = tps_of["DynamicCache"]
+            post_of = {c.label: post_counterpart(c, caches) for c in caches}
             print(f"\n## {setting} ({str(dtype).removeprefix('torch.')}, batch {batch}), prompt {L} tokens\n")
-            print("| cache | decode tok/s | vs Dynamic | prefill s | peak cache MB | / fp16 | measured / arith |")
-            print("|---|---|---|---|---|---|---|")
+            print(
+                "| cache | decode tok/s | vs Dynamic | paired | prefill s | peak cache MB | / fp16 | measured / arith |"
+            )
+            print("|---|---|---|---|---|---|---|---|")
             for c in caches:
                 rs = results[c.label]
                 tps = tps_of[c.label]
+                paired = paired_ratio(results["DynamicCache"], rs)
+                post = post_of[c.label]
+                vs_post = None if post is None else paired_ratio(results[post.label], rs)
                 pre = statistics.median(r["prefill_s"] for r in rs)
                 stored, fp16 = rs[-1]["peak"]
                 ratio = stored / rs[-1]["arith"] if "arith" in rs[-1] else None
                 shown = "" if ratio is None else f"{ratio:.3f}"
                 print(
-                    f"| {c.label} | {tps:.1f} | {tps / base:.2f}x | {pre:.2f} | {stored / 2**20:.2f} | "
-                    f"{stored / fp16:.3f} | {shown} |"
+                    f"| {c.label} | {tps:.1f} | {tps / base:.3f}x | {paired:.3f}x | {pre:.2f} | "
+                    f"{stored / 2**20:.2f} | {stored / fp16:.3f} | {shown} |"
                 )
                 rows_out.append({
                     "kind": c.kind, "label": c.label, "backend": c.backend, "rope": c.rope,
                     "dtype": str(dtype).removeprefix("torch."), "batch": batch, "format": c.format, "length": L,
-                    "transform": c.transform, "tok_s": tps, "ratio": tps / base, "prefill_s": pre,
-                    "peak_bytes": int(stored),
-                    "measured_over_arith": ratio,
+                    "transform": c.transform, "tok_s": tps, "ratio": tps / base, "paired_ratio": paired,
+                    "pre_over_post": None if post is None else tps / tps_of[post.label],
+                    "paired_pre_over_post": vs_post,
+                    "prefill_s": pre, "peak_bytes": int(stored), "measured_over_arith": ratio,
                 })  # fmt: skip
+            for c in caches:
+                post = post_of[c.label]
+                if post is not None:
+                    print(
+                        f"\nrope=pre / rope=post ({c.label}): {tps_of[c.label] / tps_of[post.label]:.3f} (medians), "
+                        f"{paired_ratio(results[post.label], results[c.label]):.3f} (paired)"
+                    )
             same = [c.label for c in caches if results[c.label][-1]["tokens"] == results["DynamicCache"][-1]["tokens"]]
             print(f"\nsame greedy tokens as DynamicCache: {', '.join(same)}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        record = {"rows": rows_out, "code": code_version(), "argv": list(argv if argv is not None else sys.argv[1:])}
+        record = {"rows": rows_out, "code": code_version(), "argv": list(given)}
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         tmp.replace(args.json)  # atomic: a reader never sees half a file
         print(f"\nwrote {len(rows_out)} rows to {args.json}")

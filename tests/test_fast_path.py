@@ -378,7 +378,8 @@ def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch
 # --- the benchmark's JSON ---------------------------------------------------------------------------------------
 
 BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "length", "tok_s", "ratio", "prefill_s",
-              "peak_bytes", "measured_over_arith", "transform"}  # fmt: skip
+              "peak_bytes", "measured_over_arith", "transform", "paired_ratio", "pre_over_post",
+              "paired_pre_over_post"}  # fmt: skip
 
 
 def bench_module(monkeypatch):
@@ -439,7 +440,10 @@ def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
         assert r["length"] == 72 and r["tok_s"] > 0 and r["prefill_s"] > 0 and r["peak_bytes"] > 0
         assert r["rope"] in ("post", "pre") and r["dtype"] in ("float32", "bfloat16") and r["batch"] in (1, 4)
         if r["kind"] == "dynamic":
-            assert r["ratio"] == 1.0 and r["format"] is None
+            assert r["ratio"] == 1.0 and r["paired_ratio"] == 1.0 and r["format"] is None
+        assert r["paired_ratio"] > 0
+        # rope=pre rows of ours carry their distance to the same cache with rope=post, the others none
+        assert (r["pre_over_post"] is None) == (r["paired_pre_over_post"] is None) == (r["rope"] != "pre"), r
         if r["kind"] == "ours_packed":
             assert 0.95 < r["measured_over_arith"] < 1.1, r
         else:
