@@ -1,4 +1,5 @@
-# Run 14: the A/A test of the step order, then the issue's rows, from a clean worktree of 881cd65 (package code dcd77d8d168d5b2d, as at 622d27f):
+# Run 14: the A/A test of the step order, then the issue's rows, from a clean worktree of 881cd65
+# (package code dcd77d8d168d5b2d, the same as at 622d27f):
 #   git worktree add /tmp/wt14 881cd65 && bash experiments/cache_speed/issue14/run14/run.sh
 set -x
 cd /tmp/wt14
