@@ -16,7 +16,7 @@ from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
-from kvq_lab.quant.formats import FORMATS, default_bits
+from kvq_lab.quant.formats import FORMATS, default_bits, get_format
 from kvq_lab.quant.spec import QuantSpec
 
 # (key axis, value axis, key bits, value bits, sinks, R, D, G, query heads per kv head, batch, tokens)
@@ -96,22 +96,26 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     assert bool((layer.k_stream.store.scale.float().abs() < 6.1e-5).any())  # subnormals were really there
 
 
-@pytest.mark.parametrize("key,value", [
-    (QuantSpec(8, 32, "channel", "fp8_e4m3"), QuantSpec(8, 32, "token", "fp8_e5m2")),  # fp8: computed from the bits
-    (QuantSpec(4, 32, "token", "lut"), QuantSpec(2, 32, "channel", "lut")),  # <= 16 entries: lane permutes
-    (QuantSpec(3, 32, "channel", "lut"), QuantSpec(1, 32, "token", "lut")),  # 8 entries, 2 (a padded table)
+@pytest.mark.parametrize("key,value,D", [
+    (QuantSpec(8, 32, "channel", "fp8_e4m3"), QuantSpec(8, 32, "token", "fp8_e5m2"), 64),  # fp8: from the bits
+    (QuantSpec(4, 32, "token", "lut"), QuantSpec(2, 32, "channel", "lut"), 64),  # <= 16 entries: lane permutes
+    (QuantSpec(3, 32, "channel", "lut"), QuantSpec(1, 32, "token", "lut"), 64),  # 8 entries, 2 (a padded table)
+    # 40 channels: 16 + 16 at a time, then 8 (AVX-512 builds), and per-token groups of 8: the 8-wide loop alone
+    (QuantSpec(8, 32, "channel", "fp8_e5m2"), QuantSpec(8, 8, "token", "fp8_e4m3"), 40),
+    (QuantSpec(2, 32, "channel", "lut"), QuantSpec(4, 8, "token", "lut"), 40),
 ])  # fmt: skip
-def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, value):
-    """The AVX2 paths for formats with a table (fp8 values computed from the code bits, small tables looked up by
-    lane permutes) give exactly the portable build's scalar lookups, negative zero and subnormal codes included."""
+def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, value, D):
+    """The vector paths for formats with a table (fp8 values computed from the code bits, small tables looked up by
+    lane permutes, 16 or 8 channels at a time) give exactly the portable build's scalar lookups, negative zero and
+    subnormal codes included."""
     cfg = CacheConfig(key=key, value=value, mode="packed", residual_length=32, sink_tokens=1, backend="cpu")
     layer = PackedLayer(cfg, None, PaddingState())
     g = torch.Generator().manual_seed(9)
-    k, v = torch.randn(1, 2, 150, 64, generator=g), torch.randn(1, 2, 150, 64, generator=g)
+    k, v = torch.randn(1, 2, 150, D, generator=g), torch.randn(1, 2, 150, D, generator=g)
     k[:, :, :, 7] *= 30  # an outlier channel: small codes elsewhere (fp8 subnormals)
     v[:, :, 40:60] = -0.0
     layer.update(k, v)
-    q = torch.randn(1, 4, 1, 64, generator=g)
+    q = torch.randn(1, 4, 1, D, generator=g)
     assert cpu_kernel.supports(layer.decode_view(), q) and layer.k_stream.n_quantized(150) > 0
     default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     portable_build(monkeypatch, tmp_path)
@@ -119,6 +123,35 @@ def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, va
     assert torch.equal(portable, default)
     torch.testing.assert_close(default, decode_attention_torch(layer.decode_view(), q, None, 0.125), rtol=1e-4,
                                atol=1e-4)  # fmt: skip
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_fp8_tables_are_decoded_from_their_bits(monkeypatch, tmp_path):
+    """Where the build has the vector paths (-march=native on an x86 CPU with AVX2 and F16C), both fp8 formats'
+    tables are recognised as their bit decodings (3 / 2 mantissa bits), so their codes are computed, not looked up one
+    by one (the decoder is checked against all 256 entries of the table at every call: a wrong one would fall back to
+    the slow scalar loop silently, not give wrong values); other tables are looked up. The portable build has none."""
+    lib = cpu_kernel.load()
+    tables = {name: get_format(name, 8).build_table().contiguous() for name in ("fp8_e4m3", "fp8_e5m2")}
+    lut = torch.linspace(-1, 1, 256).contiguous()
+    flags = _cpu_flags()
+    width = lib.kvq_simd_width()
+    if {"avx2", "f16c"} <= flags:
+        assert width == (16 if "avx512f" in flags else 8)
+    if width:
+        assert lib.kvq_fp8_decoding(tables["fp8_e4m3"].data_ptr()) == 3
+        assert lib.kvq_fp8_decoding(tables["fp8_e5m2"].data_ptr()) == 2
+    assert lib.kvq_fp8_decoding(lut.data_ptr()) == 0
+    portable_build(monkeypatch, tmp_path)
+    lib = cpu_kernel.load()
+    assert lib.kvq_simd_width() == 0 and lib.kvq_fp8_decoding(tables["fp8_e4m3"].data_ptr()) == 0
 
 
 def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811

@@ -21,11 +21,13 @@ Code formats (kvq_lab/quant/formats): every format dequantizes as `table[code] *
 2^bits entries and no zero point for some formats (fp8: `table[code] * scale`). A stream without a table is `int`,
 whose codes are their own values: `code * scale + zero`, the loop this kernel had before formats (`deq_run`), kept
 as it was so the int path stays as fast; formats with a table go through `deq_run_table`. A lookup does not
-vectorise as such: with AVX2, one-byte words of tables of <= 16 entries (2-4 bit lut / nuq) are looked up 8 codes at a
-time by lane permutes of the table held in registers, and a 256-entry table that is bit for bit the fp8 e4m3fn or e5m2
-decoding (the fp8 formats' tables; checked once per call, `minifloat_of`) is computed from the codes' bits instead of
-read (`minifloat8`: a gather or 8 scalar loads is slower on x86 cores such as AMD Zen 3); other tables keep the
-scalar lookup. Every path gives exactly table[code] and the same two roundings.
+vectorise as such: with AVX-512 (AVX2 and F16C), tables of <= 16 entries (2-4 bit lut / nuq) are looked up 16 (8)
+codes at a time by one lane permute of the table held in registers (two and a blend for 16 entries under AVX2), and
+a 256-entry table that is bit for bit the fp8 e4m3fn or e5m2 decoding (the fp8 formats' tables; checked once per
+call against every decoder used, `minifloat_of`) is computed from the codes' bits instead of read (`minifloat8` /
+`minifloat16`: the bits moved into an fp16's fields and converted by F16C; a gather or 8 scalar loads is slower on
+x86 cores such as AMD Zen 3, and decoding into fp32 with integer ops took twice the instructions); other tables keep
+the scalar lookup. Every path gives exactly table[code] and the same two roundings.
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes
 of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + m, ... in `bits`-bit fields,
@@ -106,7 +108,7 @@ int64_t kvq_args_size(void) { return (int64_t)sizeof(Args); }
 #if (defined(__F16C__) || defined(__AVX2__)) && !defined(KVQ_PORTABLE)
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && !defined(KVQ_PORTABLE)
+#if defined(__AVX2__) && defined(__F16C__) && !defined(KVQ_PORTABLE)
 #define KVQ_AVX2 1 /* table lookups of 8 codes at once (deq_run_table) */
 #endif
 
@@ -161,36 +163,64 @@ static inline __m256 lookup8(__m256i code, unsigned mask, __m256 t0, __m256 t1) 
                             _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
 }
 
-/* The values of 8 fp8 codes (one per lane, bits 0-7) with m mantissa bits (3: e4m3fn, 2: e5m2): sign, 7 - m
-   exponent bits of bias 2^(6-m) - 1, subnormals below exponent 1, computed exactly (integer ops for normals,
-   a small integer times a power of 2 for subnormals); the non-finite patterns (magnitudes from 0x7f for e4m3fn, 0x7c
-   for e5m2) are +0.0, as in fp8.py's tables. */
-static inline __m256 minifloat8(__m256i code, int m) {
-    const int bias = (1 << (6 - m)) - 1, top = m == 3 ? 0x7f : 0x7c;
-    const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7f));
-    const __m256i normal = _mm256_add_epi32(_mm256_sll_epi32(mag, _mm_cvtsi32_si128(23 - m)),
-                                            _mm256_set1_epi32((127 - bias) << 23));
-    const __m256 ulp = _mm256_castsi256_ps(_mm256_set1_epi32((128 - bias - m) << 23)); /* 2^(1 - bias - m) */
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), ulp);
-    __m256 v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub,
-                                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << m), mag)));
-    v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(code, 7), 31)));
-    return _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(top - 1))), v);
+/* The values of the 8 fp8 codes at row[0 .. 8) with m mantissa bits (3: e4m3fn, 2: e5m2), exactly: each code's sign,
+   7 - m exponent bits and m mantissa bits moved into an fp16's fields (mantissa bits 9 .. 10 - m, exponent from bit
+   10: a code's subnormals land on fp16 subnormals) and converted by F16C in one instruction; e5m2's exponent bias is
+   fp16's (15), e4m3fn's is 7, so its fp16 is 2^-8 of the value and the product by 2^8 (exact) makes it up. The
+   non-finite patterns (magnitudes from 0x7f for e4m3fn, 0x7c for e5m2) are +0.0, as in fp8.py's tables. About half
+   the instructions of decoding the bits into an fp32 with integer ops (normals and subnormals apart, then a blend). */
+static inline __m256 minifloat8(const uint8_t *row, int m) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)row)); /* 8 codes, one per 16-bit lane */
+    const __m128i mag = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_srli_epi16(x, 7), 15),  /* sign, then exponent and mantissa */
+                                   _mm_sll_epi16(mag, _mm_cvtsi32_si128(10 - m)));
+    const __m128i finite = _mm_cmplt_epi16(mag, _mm_set1_epi16(m == 3 ? 0x7f : 0x7c));
+    const __m256 v = _mm256_cvtph_ps(_mm_and_si128(h, finite));
+    return m == 3 ? _mm256_mul_ps(v, _mm256_set1_ps(256.0f)) : v;
 }
 
-/* m (3 or 2) where a stream's table is bit for bit minifloat8's e4m3fn or e5m2 decoding of its 256 codes (the fp8
-   formats' tables), so that deq_run_table computes its values instead of looking them up (a lookup of 8 codes from
-   256 entries is 8 loads, or a gather, which is no faster on some x86 cores); else 0. Once per call and stream. */
+#if defined(__AVX512F__)
+#define KVQ_AVX512 1 /* 16 channels at once in deq_run_table (one permute for a table of <= 16 entries) */
+/* minifloat8 for the 16 codes at row[0 .. 16) */
+static inline __m512 minifloat16(const uint8_t *row, int m) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)row));
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_srli_epi16(x, 7), 15),
+                                      _mm256_sll_epi16(mag, _mm_cvtsi32_si128(10 - m)));
+    const __m256i finite = _mm256_cmpgt_epi16(_mm256_set1_epi16(m == 3 ? 0x7f : 0x7c), mag);
+    const __m512 v = _mm512_cvtph_ps(_mm256_and_si256(h, finite));
+    return m == 3 ? _mm512_mul_ps(v, _mm512_set1_ps(256.0f)) : v;
+}
+
+/* table[code] for the 16 codes of bytes row[0 .. 16) (`shift` bits up, under `mask` < 16), t: the table's 16 entries */
+static inline __m512 lookup16(const uint8_t *row, unsigned shift, unsigned mask, __m512 t) {
+    const __m512i code = _mm512_and_si512(
+        _mm512_srl_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)row)), _mm_cvtsi32_si128((int)shift)),
+        _mm512_set1_epi32((int)mask));
+    return _mm512_permutexvar_ps(code, t);
+}
+#endif
+
+/* m (3 or 2) where a stream's table is bit for bit minifloat8's (and, in AVX-512 builds, minifloat16's) e4m3fn or
+   e5m2 decoding of its 256 codes (the fp8 formats' tables), so that deq_run_table computes its values instead of
+   looking them up (a lookup of 8 codes from 256 entries is 8 loads, or a gather, which is no faster on some x86
+   cores); else 0. Once per call and stream. */
 static int minifloat_of(const Stream *st) {
     const float *table = (const float *)st->table;
     if (!table || st->bits != 8) return 0;
+    uint8_t codes[256];
+    for (int c = 0; c < 256; c++) codes[c] = (uint8_t)c;
     for (int m = 3; m >= 2; m--) {
         int same = 1;
         for (int c = 0; c < 256 && same; c += 8) {
-            const __m256i code = _mm256_add_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             const __m256i want = _mm256_loadu_si256((const __m256i *)(table + c));
-            same = _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_castps_si256(minifloat8(code, m)), want)) == -1;
+            same = _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_castps_si256(minifloat8(codes + c, m)), want)) == -1;
         }
+#if KVQ_AVX512
+        for (int c = 0; c < 256 && same; c += 16)  /* the 16-wide decoder too */
+            same = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(minifloat16(codes + c, m)),
+                                            _mm512_loadu_si512((const void *)(table + c))) == 0;
+#endif
         if (same) return m;
     }
     return 0;
@@ -199,8 +229,9 @@ static int minifloat_of(const Stream *st) {
 
 /* The same for a format with a table: out[d] = table[code(d)] * s[d] (+ z[d] where z is not NULL: formats without
    a zero point store none and add nothing, so -0.0 stays -0.0 as in the reference). `table` has 2^bits entries, and
-   at least 16 readable ones (zero-padded) for bits <= 4. AVX2 builds take 8 channels at a time where nb == 1 and
-   the table has <= 16 entries (two registers: lookup8) or is an fp8 decoding (mf, from minifloat_of: minifloat8),
+   at least 16 readable ones (zero-padded) for bits <= 4. AVX-512 builds take 16 channels at a time, then AVX2 builds
+   8, where nb == 1 and the table has <= 16 entries (lookup16: one register; lookup8: two) or is an fp8 decoding (mf,
+   from minifloat_of: minifloat16 / minifloat8),
    with the same two roundings (a product, then a sum); the scalar loops below are the portable path and take the
    channels left over and every other table. */
 static inline void deq_run_table(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
@@ -209,11 +240,19 @@ static inline void deq_run_table(float *restrict out, const uint8_t *restrict ro
     int64_t d = 0;
 #if KVQ_AVX2
     if (nb == 1 && (mask < 16 || mf)) {
+#if KVQ_AVX512
+        const __m512 t16 = mask < 16 ? _mm512_loadu_ps(table) : _mm512_setzero_ps();
+        for (; d + 16 <= n; d += 16) {
+            __m512 v = _mm512_mul_ps(mf ? minifloat16(row + d, mf) : lookup16(row + d, shift, mask, t16),
+                                     ds ? _mm512_loadu_ps(s + d) : _mm512_set1_ps(s[0]));
+            if (z) v = _mm512_add_ps(v, ds ? _mm512_loadu_ps(z + d) : _mm512_set1_ps(z[0]));
+            _mm512_storeu_ps(out + d, v);
+        }
+#endif
         const __m256 t0 = mask < 16 ? _mm256_loadu_ps(table) : _mm256_setzero_ps();
         const __m256 t1 = mask < 16 ? _mm256_loadu_ps(table + 8) : _mm256_setzero_ps();
-        for (; d + 8 <= n; d += 8) {
-            const __m256i code = codes8(row + d, shift, mask);
-            __m256 v = _mm256_mul_ps(mf ? minifloat8(code, mf) : lookup8(code, mask, t0, t1),
+        for (; d + 8 <= n; d += 8) {  /* mf: 8-bit codes, so shift is 0 */
+            __m256 v = _mm256_mul_ps(mf ? minifloat8(row + d, mf) : lookup8(codes8(row + d, shift, mask), mask, t0, t1),
                                      ds ? _mm256_loadu_ps(s + d) : _mm256_set1_ps(s[0]));
             if (z) v = _mm256_add_ps(v, ds ? _mm256_loadu_ps(z + d) : _mm256_set1_ps(z[0]));
             _mm256_storeu_ps(out + d, v);
@@ -747,6 +786,32 @@ static int64_t attend_chunk(const Args *a, const int mf[2], int64_t b, int64_t h
             weighted_sum(part + i * (D + 2) + 2, sc + i * T + (pa - p0), rows, pb - pa, D);
     }
     return bad;
+}
+
+/* What this build's table lookups use, for tests and benchmark headers: 16 (AVX-512: 16 channels at a time), 8 (AVX2
+   and F16C: 8 at a time), 0 (plain C: one at a time). */
+int64_t kvq_simd_width(void) {
+#if KVQ_AVX512
+    return 16;
+#elif KVQ_AVX2
+    return 8;
+#else
+    return 0;
+#endif
+}
+
+/* minifloat_of for an fp32 table of 256 entries (an fp8 format's): 3 or 2 where this build computes the values from
+   the codes' bits (e4m3fn, e5m2), 0 where it looks them up (another table, or a build without AVX2). */
+int64_t kvq_fp8_decoding(int64_t table) {
+#if KVQ_AVX2
+    Stream st;
+    memset(&st, 0, sizeof st);
+    st.table = table, st.bits = 8;
+    return minifloat_of(&st);
+#else
+    (void)table;
+    return 0;
+#endif
 }
 
 /* Whether any of n contiguous elements at x (dtype: 0 fp32, 1 fp16, 2 bf16, as `Stream.xdt`) is NaN or inf: its
