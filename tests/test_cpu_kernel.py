@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import spy_cpu_kernel, spy_kept_calls
+from conftest import left_padded_prompts, spy_cpu_kernel, spy_kept_calls
 from helpers_models import compose
 from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
 
@@ -401,16 +401,26 @@ def _kept_variants() -> dict[str, dict]:
     }
 
 
-def _step_logits(model, cfg: CacheConfig, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    """Greedy decode, the last position's logits of the prefill and of every step: [B, steps, vocab]."""
+def _step_logits(model, cfg: CacheConfig, ids: torch.Tensor, steps: int, mask=None) -> torch.Tensor:
+    """Greedy decode, the last position's logits of the prefill and of every step: [B, steps, vocab]. mask: a
+    left-padded batch's [B, T] (1 = token), declared to the cache, with position ids counted from each row's first
+    token (as `generate` does)."""
     from kvq_lab.models import cache_kwarg
 
-    kw = {cache_kwarg(): QuantizedKVCache.for_model(model, cfg), "use_cache": True}
+    cache = QuantizedKVCache.for_model(model, cfg)
+    kw = {cache_kwarg(): cache, "use_cache": True}
+    if mask is not None:
+        cache.set_padding(mask)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        kw.update(attention_mask=mask, position_ids=pos)
     out = []
     with torch.no_grad():
         logits = model(ids, **kw).logits[:, -1:]
         for _ in range(steps):
             out.append(logits)
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                kw.update(attention_mask=mask, position_ids=kw["position_ids"][:, -1:] + 1)
             logits = model(logits.argmax(-1), **kw).logits[:, -1:]
     return torch.cat(out, 1)
 
@@ -441,6 +451,27 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
         monkeypatch.undo()
         spy_kept_calls(monkeypatch, lambda call: kept.append(1))
         kept.clear()
+
+
+@pytest.mark.parametrize("rope", ["post", "pre"])
+@pytest.mark.parametrize("fmt", ["int", "fp8_e4m3"])
+def test_kept_calls_in_a_left_padded_batch(tiny, fmt, rope, monkeypatch):  # noqa: F811
+    """A left-padded batch keeps its kernel call between decode steps too: each step rewrites the per-row layouts
+    (starts and counts) the kept block points at. Every step's logits are, bit for bit, those of building each
+    step's view, across window flushes and store growth, and the kept calls are what ran."""
+    bits = default_bits(fmt)
+    cfg = CacheConfig(
+        key=QuantSpec(bits, 32, "channel", fmt), value=QuantSpec(bits, 32, "token", fmt), mode="packed",
+        backend="cpu", residual_length=32, sink_tokens=2, rope=rope,
+    )  # fmt: skip
+    kept = []
+    spy_kept_calls(monkeypatch, lambda call: kept.append(call.rows is not None))
+    ids, mask = left_padded_prompts([70, 41, 66, 12])
+    steps = 75
+    with_kept = _step_logits(tiny, cfg, ids, steps, mask)
+    assert len(kept) > 0.75 * steps * tiny.config.num_hidden_layers and all(kept), len(kept)
+    monkeypatch.setattr(backends_mod.CpuBackend, "keep", staticmethod(lambda view, query: None))
+    assert torch.equal(with_kept, _step_logits(tiny, cfg, ids, steps, mask))
 
 
 @pytest.mark.parametrize("R, key_axis", [(32, "channel"), (32, "token"), (0, "channel"), (0, "token")])
@@ -474,7 +505,8 @@ def test_hadamard_steps_write_key_and_value_into_the_window(tiny, R, key_axis, m
 
 def test_a_kept_call_hands_back_what_it_cannot_take(tiny):  # noqa: F811
     """A kept call returns None (the layer then builds the view) for a query of another dtype or shape, a history
-    where the kept view had none, and a mask that differs between query heads; and runs for the same query."""
+    where the kept view had none, a mask that differs between query heads, and a padded batch's per-row layouts where
+    the kept view had none; and runs for the same query."""
     layer = PackedLayer(
         CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
                     residual_length=32, backend="cpu"), None, PaddingState())  # fmt: skip
@@ -482,11 +514,13 @@ def test_a_kept_call_hands_back_what_it_cannot_take(tiny):  # noqa: F811
     layer.update(torch.randn(1, 2, 20, 64, generator=g), torch.randn(1, 2, 20, 64, generator=g))
     view, q = layer.decode_view(), torch.randn(1, 4, 1, 64, generator=g)
     call = cpu_kernel.KeptCall.make(view, q)
-    ks, vs = layer.k_stream.moving(layer.N), layer.v_stream.moving(layer.N)
-    parts = (layer.N, 0, (*ks, layer.sink_k), (*vs, layer.sink_v))
+    ks, vs = layer.k_stream.moving(layer.N)[:3], layer.v_stream.moving(layer.N)[:3]  # no padding: no rows
+    parts = (layer.N, 0, (*ks, layer.sink_k, None), (*vs, layer.sink_v, None))
     assert torch.equal(call(q, None, 0.125, *parts), cpu_kernel.decode_attention(view, q, None, 0.125))
     assert call(q.double(), None, 0.125, *parts) is None
     assert call(torch.randn(1, 4, 1, 64)[:, :2], None, 0.125, *parts) is None
     assert call(q, torch.zeros(1, 4, 1, layer.N, dtype=torch.bool), 0.125, *parts) is None
-    grown = (layer.N, 0, (*ks, layer.sink_k), (1, *vs[1:], layer.sink_v))  # values' history: none when kept
+    grown = (layer.N, 0, (*ks, layer.sink_k, None), (1, *vs[1:], layer.sink_v, None))  # values' history: none kept
     assert call(q, None, 0.125, *grown) is None
+    padded = (layer.N, 0, (*ks, layer.sink_k, ([2], [0])), (*vs, layer.sink_v, ([2], [0])))  # per-row layouts
+    assert call(q, None, 0.125, *padded) is None

@@ -357,15 +357,15 @@ def test_padded_generation_goes_through_the_kernel(tiny_model, rope, monkeypatch
     materializes the padded cache for the model's SDPA), and what changed is measured: every decode step of every
     layer reaches the kernel with a padded view, and the mask the model hands it is one row per batch row
     ([B, 1, 1, N], no per-head mask: nothing falls back)."""
-    calls, masks = [], set()
-    real = cpu_kernel.decode_attention
+    calls = spy_cpu_kernel(monkeypatch, lambda view: view.pads is not None)  # built views and kept calls alike
+    masks = set()
+    real = cpu_kernel._additive_mask
 
-    def spy(view, q, mask, scaling):
-        calls.append(view.pads is not None)
+    def spy(mask, B, N):
         masks.add(None if mask is None else tuple(mask.shape[:3]))
-        return real(view, q, mask, scaling)
+        return real(mask, B, N)
 
-    monkeypatch.setattr(cpu_kernel, "decode_attention", spy)
+    monkeypatch.setattr(cpu_kernel, "_additive_mask", spy)
     ids, mask = left_padded_prompts([70, 41, 66, 12])
     out = {}
     for backend in ("cpu", "torch"):

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 
+from kvq_lab.kernels.workspace import version_of
 from kvq_lab.quant.transforms import Positions
 from kvq_lab.quant.transforms.rope_pre import rotate, rotate_half, unrotate
 
@@ -161,7 +162,7 @@ class _Latest:
     def __init__(self, key, ids: torch.Tensor | None, value):
         self.key, self.value = key, value
         self.ref = None if ids is None else weakref.ref(ids)
-        self.version = None if ids is None else _version_of(ids)
+        self.version = None if ids is None else version_of(ids)
         self.held = None if ids is None else ids.clone()
 
     def holds(self, key, ids: torch.Tensor | None) -> bool:
@@ -170,18 +171,10 @@ class _Latest:
             return False
         if ids is None:
             return True
-        version = _version_of(ids)
+        version = version_of(ids)
         if version is not None and self.ref() is ids and version == self.version:
             return True
         held = self.held
         return (
             ids.shape == held.shape and ids.dtype == held.dtype and ids.device == held.device and torch.equal(ids, held)
         )
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    """t's version counter (bumped by in-place writes), or None for an inference tensor, which keeps none."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None

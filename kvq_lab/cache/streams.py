@@ -7,7 +7,7 @@ Every stream follows one protocol (`Stream`), so the layer never asks which kind
     materialize(N, sink, pads, rotate)   full [B, H, N, D]: sinks exact, history dequantized, window exact
     view(N, sink, pads, rotate)  a kernel's `StreamView` of the stored segments (a padded batch: with per-row
                                  `starts` and `counts`, see `kvq_lab.kernels.view`)
-    moving(N)                    what a decode step moves in that view without padding: (n, w, window)
+    moving(N, pads)              what a decode step moves in that view: (n, w, window, per-row layout or None)
     slot()                       where the next step's token goes (a row of the window buffer, for a caller that
                                  writes it there; `step` then copies nothing), or None
     nbytes()                     bytes held
@@ -127,25 +127,27 @@ class _QuantizedStream(ABC):
             deq = rotate(deq, self.slot_positions(q, pads, deq.device))
         return deq
 
-    def moving(self, N: int) -> tuple[int, int, torch.Tensor]:
-        """What a decode step moves in a batch without padding's view: quantized history tokens n, window tokens w
-        and the window [B, H, W, D] (its last w rows), at N cached positions."""
+    def moving(self, N: int, pads: list[int] | None = None) -> tuple[int, int, torch.Tensor, tuple | None]:
+        """What a decode step moves in the stream's view at N cached positions: quantized history tokens n, window
+        tokens w, the window [B, H, W, D] (its last w rows) and, for a left-padded batch (`pads` with a non-zero
+        entry), each row's layout (starts, counts: lists, `StreamView.starts/counts`; w is then W: the rows hold
+        positions by absolute position, each row reads its own), else None."""
         q = self.n_quantized(N)
-        return q, max(0, N - self.S) - q, self.window
+        if pads is None or not any(pads):
+            return q, max(0, N - self.S) - q, self.window, None
+        return q, self.window.shape[2], self.window, self._rows(N, pads)
 
     def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
-        q, w, _ = self.moving(N)
+        q, w, _, rows = self.moving(N, pads)
         st = self.store
         # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers): dequantized here
         deq = self.history(q, pads, rotate) if (rotate is not None or st.outliers is not None) and q else None
         starts = counts = None
-        if any(pads):  # per-row layouts: the kernel reads each row's own (codes are never dequantized here)
+        if rows is not None:  # per-row layouts: the kernel reads each row's own (codes are never dequantized here)
             if deq is not None:
                 raise ValueError("a padded batch's view carries codes only: build it without transforms to undo")
-            first, n = self._rows(N, pads)
             dev = self.window.device
-            starts, counts = torch.tensor(first, device=dev), torch.tensor(n, device=dev)
-            w = self.window.shape[2]  # rows hold positions by absolute position; each row reads its own
+            starts, counts = torch.tensor(rows[0], device=dev), torch.tensor(rows[1], device=dev)
         return StreamView(
             sink, st.codes, st.scale, st.zero, q, self.window, w,
             st.bits, self.spec.group_size, self.spec.axis, deq, st.table, starts, counts,

@@ -41,7 +41,7 @@ from kvq_lab.quant.transforms.hadamard import register_fast
 from . import torch_path
 from .torch_path import decode_attention_torch
 from .view import DecodeView, StreamView, Unsupported, check_codes_only
-from .workspace import workspace
+from .workspace import version_of, workspace
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = [
@@ -379,15 +379,26 @@ def _mask_ok(mask, B: int) -> bool:
 
 def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
     """[B, N] fp32 additive mask from SDPA's [B or 1, 1, 1, >= N] bool or float mask (None: no mask; False: a mask
-    the kernel cannot take, one that differs between query heads)."""
+    the kernel cannot take, one that differs between query heads). Every layer of a forward passes the same mask
+    tensor (a padded batch's, every decode step): the latest conversion is given again for that very tensor,
+    unmodified since (its version counter), at the same B and N; the kernel only reads it."""
     if mask is None:
         return None
+    last = _LAST_MASK[0]
+    if last is not None and last[0] is mask and last[1][2] is not None and last[1] == (B, N, version_of(mask)):
+        return last[2]
     if not _mask_ok(mask, B):
         return False
-    mask = mask[..., -N:].expand(B, 1, 1, N)
-    if mask.dtype == torch.bool:
-        return torch.zeros(B, N).masked_fill_(~mask.reshape(B, N), float("-inf"))
-    return mask.reshape(B, N).float().contiguous()
+    m = mask[..., -N:].expand(B, 1, 1, N)
+    if m.dtype == torch.bool:
+        add = torch.zeros(B, N).masked_fill_(~m.reshape(B, N), float("-inf"))
+    else:
+        add = m.reshape(B, N).float().contiguous()
+    _LAST_MASK[0] = (mask, (B, N, version_of(mask)), add)
+    return add
+
+
+_LAST_MASK: list = [None]  # (mask, (B, N, its version), the additive mask): `_additive_mask`'s latest answer
 
 
 def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float) -> torch.Tensor:
@@ -467,37 +478,48 @@ class KeptCall:
     calls it with the view's moving parts; where a step moves anything else (a history appears where there was none,
     another query layout, a mask the kernel cannot take) it returns None and the caller builds a new view."""
 
-    __slots__ = ("view", "args", "qkey", "has")
+    __slots__ = ("view", "args", "qkey", "has", "rows")
 
     def __init__(self, view: DecodeView, args: array.array, query: torch.Tensor):
         self.view, self.args = view, args
         self.qkey = (query.dtype, query.shape)
         self.has = (args[_K0] != 0, args[_V0] != 0)  # a history in the block (its codes' address), per stream
+        # a left-padded batch: the view's per-row starts and counts (int64 [B] CPU tensors the block points at), as
+        # numpy arrays over the same memory, rewritten in place at each step (the pads themselves never move)
+        k, v = view.keys, view.values
+        self.rows = None if view.pads is None else tuple(t.numpy() for t in (k.starts, k.counts, v.starts, v.counts))
 
     @classmethod
     def make(cls, view: DecodeView, query: torch.Tensor) -> KeptCall | None:
         """A kept call for the views of which `view` is the first (None where `decode_attention` would not run the
-        kernel on it: a dequantized history, a padded batch, a query it cannot take)."""
-        if view.pads is not None or view.keys.history is not None or view.values.history is not None:
+        kernel on it: a dequantized history, a query it cannot take)."""
+        if view.keys.history is not None or view.values.history is not None:
             return None
         if not _supports(view, query):
             return None
+        _pads_field(view, query.shape[0])  # a padded view's rows: int64 [B] tensors (else ValueError, as a call)
         return cls(view, _arg_block(view, query), query)
 
     def __call__(self, query, mask, scaling: float, N: int, s: int, keys: tuple, values: tuple):
         """This step's `decode_attention` over the kept view with N positions, s attended sinks, and per stream
-        keys / values = (history length n, window w, window tensor [B, H, W, D], sinks tensor); None where the step
-        moved something else (the caller then builds the view)."""
+        keys / values = (history length n, window w, window tensor [B, H, W, D], sinks tensor, rows: a left-padded
+        batch's per-row (starts, counts) lists, else None); None where the step moved something else (the caller
+        then builds the view)."""
         if (query.dtype, query.shape) != self.qkey or (keys[0] > 0) != self.has[0] or (values[0] > 0) != self.has[1]:
+            return None
+        if (keys[4] is None) != (self.rows is None) or (values[4] is None) != (self.rows is None):
             return None
         add = _additive_mask(mask, query.shape[0], N)
         if add is False:
             return None
         a = self.args
         a[_A_N], a[_A_S] = N, s
-        for base, (n, w, window, sink) in ((_K0, keys), (_V0, values)):
+        for base, (n, w, window, sink, _) in ((_K0, keys), (_V0, values)):
             ss = sink.stride()
             a[base + _S_N], a[base + _S_WIN], a[base + _S_W] = n, window.data_ptr(), w
             a[base + _S_SINK], a[base + _S_SINK + 1], a[base + _S_SINK + 2], a[base + _S_SINK + 3] = (
                 sink.data_ptr(), ss[0], ss[1], ss[2])  # fmt: skip
+        if self.rows is not None:
+            ks, kc, vs, vc = self.rows
+            ks[:], kc[:], vs[:], vc[:] = keys[4][0], keys[4][1], values[4][0], values[4][1]
         return _call(self.view, a, query, add, scaling)

@@ -1,4 +1,5 @@
-"""Reused scratch memory for decode steps, and small constants built once per device."""
+"""Reused scratch memory for decode steps, small constants built once per device, and the version check that lets a
+step's answer be given again for an unmodified tensor."""
 
 from __future__ import annotations
 
@@ -29,3 +30,13 @@ def const(name: str, device, make) -> torch.Tensor:
         with torch.inference_mode(False):  # as workspace: usable in and out of inference mode
             _CONST[key] = make().to(device)
     return _CONST[key]
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """t's version counter (bumped by in-place writes), or None for an inference tensor, which keeps none: what an
+    answer kept for a tensor is checked against before it is given again (an answer for a tensor without a version
+    is not given again on identity alone)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
