@@ -357,7 +357,7 @@ class PackedLayer(QuantizedLayerBase):
         """What this decode step moves in the layer's view (a kept call's arguments, `KeptCall.__call__`): N, the
         sinks attended, and per stream (history n, window w, window tensor, sinks tensor, per-row layout of a
         left-padded batch or None)."""
-        N, pads = self.N, None if self.uniform else self.pads
+        N, pads = self.N, self.pads  # the streams give per-row layouts where a row is padded
         kpipe = None if self._kept[4] is not None else self.k_pipe  # rope=pre in the kernel: keys' sinks as stored
         (kn, kw, kwin, krows), (vn, vw, vwin, vrows) = self.k_stream.moving(N, pads), self.v_stream.moving(N, pads)
         return (

@@ -385,8 +385,8 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
     unmodified since (its version counter), at the same B and N; the kernel only reads it."""
     if mask is None:
         return None
-    last = _LAST_MASK[0]
-    if last is not None and last[0] is mask and last[1][2] is not None and last[1] == (B, N, version_of(mask)):
+    key, last = (B, N, version_of(mask)), _LAST_MASK[0]
+    if last is not None and last[0] is mask and key[2] is not None and last[1] == key:
         return last[2]
     if not _mask_ok(mask, B):
         return False
@@ -395,7 +395,7 @@ def _additive_mask(mask, B: int, N: int) -> torch.Tensor | None:
         add = torch.zeros(B, N).masked_fill_(~m.reshape(B, N), float("-inf"))
     else:
         add = m.reshape(B, N).float().contiguous()
-    _LAST_MASK[0] = (mask, (B, N, version_of(mask)), add)
+    _LAST_MASK[0] = (mask, key, add)
     return add
 
 
@@ -498,8 +498,7 @@ class KeptCall:
             return None
         if not _supports(view, query):
             return None
-        _pads_field(view, query.shape[0])  # a padded view's rows: int64 [B] tensors (else ValueError, as a call)
-        return cls(view, _arg_block(view, query), query)
+        return cls(view, _arg_block(view, query), query)  # _arg_block checks a padded view's rows (int64 [B])
 
     def __call__(self, query, mask, scaling: float, N: int, s: int, keys: tuple, values: tuple):
         """This step's `decode_attention` over the kept view with N positions, s attended sinks, and per stream
