@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from kvq_lab.kernels import cpu_kernel
+from kvq_lab.kernels import cpu_kernel, cpu_native
 from kvq_lab.kernels.torch_path import all_finite, decode_attention_torch, quantize_whole_groups, unpack_dequantize
 from kvq_lab.quant.reference import code_format, quantize
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
@@ -95,7 +95,7 @@ class CpuBackend(TorchBackend):
     def keep(view, query):
         return cpu_kernel.KeptCall.make(view, query)
 
-    all_finite = staticmethod(cpu_kernel.all_finite)
+    all_finite = staticmethod(cpu_native.all_finite)
 
 
 class TritonBackend:

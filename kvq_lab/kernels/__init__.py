@@ -4,6 +4,7 @@
 - `torch_path`: the pure-PyTorch implementations (decode attention, whole-group quantization, dequantization):
   the specification the other kernels are tested against.
 - `cpu_kernel`: decode attention as one native call (C, built on first use, loaded with ctypes).
+- `cpu_native`: the same library's other calls: the caches' finiteness check, the hadamard transform.
 - `triton_kernels`: quantize+pack, unpack+dequantize and fused decode attention (imported only when chosen).
 - `workspace`: reused scratch buffers and small constants.
 

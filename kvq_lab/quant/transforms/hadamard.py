@@ -12,10 +12,10 @@ Arithmetic: the fast Walsh-Hadamard transform, log2(n) butterfly stages (a, b) -
 multiplication by n^-1/2. Elementwise, so each output depends on its own token only and comes out bit for bit the
 same whatever the batch, head or token count (no matmul blocking): simulated and packed modes agree exactly, and a
 row of a padded batch stores what it stores alone. A kernel module may register the same arithmetic for a device
-(`register_fast`: the CPU kernel does, one native call where PyTorch takes several ops per stage); it gives the
-same bits (tested). The fold (the query and the attention output, once per layer and
-decode step, never stored) is the registered native transform where there is one, else one matmul with the fp32
-matrix H_n/sqrt(n): the same map to fp32 rounding, without log2(n) stages of per-op overhead on a one-token tensor.
+(`register_fast`: `kvq_lab.kernels.cpu_native` does, one native call where PyTorch takes several ops per stage); it
+gives the same bits (tested). The fold (the query and the attention output, once per layer and decode step, never
+stored) is the registered native transform where there is one, else one matmul with the fp32 matrix H_n/sqrt(n): the
+same map to fp32 rounding, without log2(n) stages of per-op overhead on a one-token tensor.
 
 Spelling: `hadamard` rotates the whole head dim (a power of two: 64, 128); `hadamard:<n>` rotates blocks of n
 channels (a power of two dividing the head dim, e.g. `hadamard:32` for head_dim 96).
