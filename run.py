@@ -27,7 +27,8 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kvq_lab.runner import RunFailed, RunInterrupted, run
+    from kvq_lab import sweep
+    from kvq_lab.runner import RecordNotWritten, RunFailed, RunInterrupted, run
 
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
     for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
@@ -35,28 +36,48 @@ def main(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     # a sweep's id (its start time): groups its rows in W&B when no experiment_name names them
-    sweep = f"sweep-{os.path.basename(str(hc.sweep.dir))}" if multirun else None
+    sweep_id = f"sweep-{os.path.basename(str(hc.sweep.dir))}" if multirun else None
+    outcome = {}  # what this row ended as, for the sweep's summary (kvq_lab.sweep)
     try:
-        metrics = run(cfg, sweep=sweep)
+        metrics = run(cfg, sweep=sweep_id, outcome=outcome)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:
             sys.exit(2)
-        return None  # one invalid row (e.g. group_size=128 on head_dim 64) does not end the sweep
+        sweep.note(outcome.get("row_key", ""), "rejected", str(e))
+        return None  # validated with the whole sweep before it started; only the loaded model can still reject
     except RunFailed as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:  # a sweep goes on; its failed row has a record saying why
             sys.exit(1)
+        if isinstance(e, RecordNotWritten):
+            sweep.note(outcome.get("row_key", ""), "failed", str(e))
         return None
     except RunInterrupted as e:  # SIGINT/SIGTERM: this row's record says so; a sweep stops here
         where = f" after {e.progress}" if e.progress else ""
         rec = f" (record: {e.record})" if e.record else ""
         print(f"interrupted: {e.signame}{where}; stopping{rec}", file=sys.stderr)
         sys.exit(e.exit_code)
+    if outcome.get("status"):
+        sweep.note(outcome["row_key"], outcome["status"], outcome.get("detail", ""))
     # the first metric is the sweep objective, for Hydra sweepers that optimise one (none: another process has
     # this row's claim)
     return next((v for v in metrics.values() if isinstance(v, float)), None)
 
 
+def entry() -> None:
+    """main(), then a sweep's summary: one line per row, exit status 1 when a row failed or was rejected (printed
+    also when a row's interruption ends the sweep, whose exit status stays 128 + the signal)."""
+    from kvq_lab import sweep
+
+    try:
+        main()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            sweep.finish()
+        raise
+    sys.exit(sweep.finish())
+
+
 if __name__ == "__main__":
-    main()
+    entry()

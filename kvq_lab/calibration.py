@@ -23,7 +23,9 @@ fitted transforms `innerq` and `rotatekv`. One mechanism serves all of them:
    The result is a `CacheConfig` with one config per layer (`layers`): nuq becomes `lut` with the fitted
    codebook, fitted transforms are named by their `name@digest` spellings.
 4. Cache: `~/.cache/kvq_lab/calibration/<hash>.pt` ($KVQ_CALIBRATION_CACHE), the hash over the model's identity,
-   the method's settings (the cache config), the calibration settings and text, and kvq_lab's code version.
+   the method's settings (the cache config), the calibration settings and text, and kvq_lab's code version; written
+   with its digest beside it and verified on every read (a changed or truncated fit is named and fitted again).
+   The fitted parameters' own digest (`fitted_digest`) is part of the run's inputs and run key.
 
 Layering: above `models`/`cache`/`eval` (it runs the model on text), below `config` (whose validation calls the
 model-free checks here: `check_calibration`, `needs_calibration`); formats and transforms receive plain tensors.
@@ -331,13 +333,81 @@ def calibration_key(model_id: Any, cache: CacheConfig, s: dict[str, Any], text_s
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def calibrate(model, tok, cache: CacheConfig, cfg, data_dir: Path | None = None, model_id: Any = None) -> CacheConfig:
-    """The cache config fitted on the run's calibration text (`cfg.calibration`), from the disk cache when this
-    (model, method, settings, text, code) was fitted before; `cache` itself when nothing in it is fitted."""
+def fitted_digest(cache: CacheConfig) -> str | None:
+    """16 hex digits identifying every fitted parameter of `cache` (its per-layer configs: codebooks, outlier
+    thresholds, fitted transforms by their own digests, per-layer bits), or None when nothing is fitted. A run's
+    inputs carry it, so a changed fit is a changed run (`kvq_lab.config.RunPlan`)."""
+    if not cache.layers:
+        return None
+    blob = json.dumps([asdict(c) for c in cache.layers], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def text_at_hand(s: dict[str, Any], data_dir: Path | None) -> bool:
+    """Whether the calibration text can be read without a download (what validation may read before the load)."""
+    return s["source"] == "file" or data_dir is not None
+
+
+def fit_path(cache: CacheConfig, cfg, data_dir: Path | None, model_id: Any) -> Path:
+    """Where the fit of this (model, method, settings, text, code) is kept in the calibration cache."""
+    s = settings(cfg)
+    return cache_dir() / f"{calibration_key(model_id, cache, s, calibration_text(s, data_dir)[1])}.pt"
+
+
+def read_fit(path: Path, cache: CacheConfig) -> CacheConfig | None:
+    """The fitted cache config kept at `path`, verified against its digest (`kvq_lab.integrity`); None when there is
+    none, or when it is unreadable or does not match its digest (then named in one line and removed, to be fitted
+    again). Its fitted transforms are registered in this process."""
+    import io
+
     import torch
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab import integrity
     from kvq_lab.quant.transforms import register_fitted
+
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(io.BytesIO(integrity.read_verified(path)), weights_only=False)  # ours, verified
+    except integrity.Corrupt as e:
+        integrity.note_rebuild(e, "fitting again")
+        integrity.remove(path)
+        return None
+    for t in saved["transforms"]:
+        register_fitted(t)
+    return replace(cache.unfitted(), layers=saved["layers"])
+
+
+def write_fit(path: Path, fitted: CacheConfig, s: dict[str, Any]) -> None:
+    import io
+
+    import torch
+
+    from kvq_lab import integrity
+
+    transforms = [get_transform(x) for lc in fitted.layers for x in (*lc.key_transform, *lc.value_transform)]
+    buf = io.BytesIO()
+    torch.save({"layers": fitted.layers, "transforms": [t for t in transforms if t.fitted], "settings": s}, buf)
+    integrity.write_verified(path, buf.getvalue())
+
+
+def check_text_length(cfg, cache: CacheConfig, tok, data_dir: Path | None) -> None:
+    """ConfigError (one line) when the calibration text has fewer tokens than the fit needs, or (coqa_stories) its
+    tail overlaps the windows task=ppl scores; `tok`: the model's tokenizer (validation loads it alone)."""
+    if not needs_calibration(cache):
+        return
+    s = settings(cfg)
+    try:
+        token_ids(tok, calibration_text(s, data_dir)[0], s, cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def calibrate(model, tok, cache: CacheConfig, cfg, data_dir: Path | None = None, model_id: Any = None) -> CacheConfig:
+    """The cache config fitted on the run's calibration text (`cfg.calibration`), from the disk cache when this
+    (model, method, settings, text, code) was fitted before and the kept file matches its digest; `cache` itself
+    when nothing in it is fitted."""
+    from kvq_lab.cache.rope import RopeHelper
 
     if not needs_calibration(cache):
         return cache
@@ -345,20 +415,17 @@ def calibrate(model, tok, cache: CacheConfig, cfg, data_dir: Path | None = None,
     text, sha = calibration_text(s, data_dir)
     key = calibration_key(model_id if model_id is not None else model.name_or_path, cache, s, sha)
     path = cache_dir() / f"{key}.pt"
-    if path.is_file():
-        saved = torch.load(path, weights_only=False)
-        for t in saved["transforms"]:
-            register_fitted(t)
-        log.info("calibration: %s (cached)", path)
-        return replace(cache.unfitted(), layers=saved["layers"])
-    ids = token_ids(tok, text, s, cfg)
+    kept = read_fit(path, cache)
+    if kept is not None:
+        log.info("calibration: %s (cached, digest verified)", path)
+        return kept
+    try:
+        ids = token_ids(tok, text, s, cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     caps = capture(model, ids, s["chunk"])
     fitted = fit(cache.unfitted(), caps, RopeHelper(rotary) if rotary is not None else None)
-    transforms = [get_transform(x) for lc in fitted.layers for x in (*lc.key_transform, *lc.value_transform)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"layers": fitted.layers, "transforms": [t for t in transforms if t.fitted], "settings": s}, tmp)
-    os.replace(tmp, path)
+    write_fit(path, fitted, s)
     log.info("calibration: fitted on %d tokens of %s -> %s", ids.shape[1], s["source"], path)
     return fitted

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -35,6 +36,7 @@ def _bool(cfg, key: str) -> bool:
 MODEL_KEYS = ("name", "path", "dtype", "head_dim", "revision")
 LOGGER_KEYS = {"wandb": ("name", "project", "entity", "mode", "group"), "none": ("name",)}
 WANDB_MODES = (None, "offline", "online", "disabled")
+MIN_FREE = 1 << 20  # bytes a results folder's disk must have free before a run starts (records, index, claims)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -144,6 +146,12 @@ def check_paths(cfg: DictConfig) -> Path:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"results_dir={rd!r}: {probe} is not a writable folder; choose another results_dir")
+    free = shutil.disk_usage(probe).free
+    if free < MIN_FREE:
+        raise ConfigError(
+            f"results_dir={rd!r}: its disk is full ({free // 1024} KiB free, a run needs at least "
+            f"{MIN_FREE // 1024 // 1024} MiB for its record); free some space or choose another results_dir"
+        )
     name = cfg.get("run_name")
     if name is not None:
         if (

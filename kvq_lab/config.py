@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,8 +242,11 @@ def check_recompute(cfg: DictConfig, cache: CacheConfig, model: str) -> None:
 class RunPlan:
     """A validated run: what to build, where to write, and what its numbers are computed from.
 
-    config_hash: the resolved config (cache knobs replaced by the cache they build); inputs: identities of the data
-    files, the model, the package sources and the libraries; run_key: both hashed together (the resume key).
+    config_hash: the resolved config (cache knobs replaced by the cache they build, its backend resolved); inputs:
+    identities of the data files, the model, the package sources, the libraries and, where something is fitted
+    (calibration, per-layer bits), the digest of the fitted parameters (`fitted`); run_key: all of it hashed together
+    (the resume key), "" while the fit is still to be made (the runner sets it once the fit exists, `refit`);
+    row_key: the same without the fit (what a sweep row is claimed and found by, fitted or not).
     """
 
     cache: CacheConfig
@@ -255,6 +258,23 @@ class RunPlan:
     config_hash: str
     inputs: dict[str, Any] = field(default_factory=dict)
     run_key: str = ""
+    row_key: str = ""
+
+    def refit(self, cache: CacheConfig) -> bool:
+        """Take the fitted cache (after calibration and the per-layer search) and key the run by its fit; -> whether
+        the run key changed (then the runner looks for a completed record of the new key)."""
+        from kvq_lab.calibration import fitted_digest
+        from kvq_lab.provenance import run_key
+
+        self.cache = cache
+        digest = fitted_digest(cache)
+        if digest == self.inputs.get("fitted") and self.run_key:
+            return False
+        self.inputs = {k: v for k, v in self.inputs.items() if k != "fitted"}
+        if digest:
+            self.inputs["fitted"] = digest
+        self.run_key = run_key(self.config_hash, self.inputs)
+        return True
 
 
 # knobs that only build the cache: hashed through the CacheConfig they make, so `bits=2` and
@@ -352,17 +372,14 @@ def validate(cfg: DictConfig) -> RunPlan:
     if task_name not in TASKS:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
     model = check_model(cfg)
+    facts = model_facts(cfg, model)
     if cache.mode == "recompute":
         check_recompute(cfg, cache, model)
-    head_dim = cfg.model.get("head_dim")
-    if head_dim:  # known without loading the model: check group tiling now
-        try:
-            cache.check_head_dim(int(head_dim))
-        except QuantConfigError as e:
-            raise ConfigError(str(e)) from None
     ddir = data_dir(cfg)
     task = TASKS[task_name]
     task.check(cfg, ddir)
+    check_against_model(cfg, cache, model, facts, ddir)  # head dim, layers, calibration and sensitivity text
+    cache = resolve_backend(cache, facts)
     h = config_hash(cfg, cache)
     inputs = {
         "data": task.inputs(cfg, ddir),
@@ -370,7 +387,7 @@ def validate(cfg: DictConfig) -> RunPlan:
         "code": code_version(),
         "libraries": library_versions(),
     }
-    return RunPlan(
+    plan = RunPlan(
         cache=cache,
         task=task_name,
         model=model,
@@ -379,5 +396,98 @@ def validate(cfg: DictConfig) -> RunPlan:
         limit=cfg.get("limit"),
         config_hash=h,
         inputs=inputs,
-        run_key=run_key(h, inputs),
+        row_key=run_key(h, inputs),
     )
+    fitted = kept_fit(cfg, cache, ddir, inputs["model"])  # None: nothing fitted, or the fit is still to be made
+    if fitted is not None or not fit_pending(cfg, cache):
+        plan.refit(fitted if fitted is not None else cache)
+    return plan
+
+
+def model_facts(cfg: DictConfig, model: str):
+    """What the model is (layers, heads, head dim; `kvq_lab.models.ModelFacts`) read from its local files without
+    loading weights, None for a hub id; `model.head_dim` when given overrides the files. One-line ConfigError for a
+    file that is not what it claims (a truncated GGUF)."""
+    from dataclasses import replace as _replace
+
+    from kvq_lab.models import BadModelFile, facts, resolve
+
+    try:
+        f = facts(resolve(model))
+    except BadModelFile as e:
+        raise ConfigError(f"model.path={model!r} is not a valid model file (truncated?): {e}") from None
+    hd = cfg.model.get("head_dim")
+    if hd:
+        from kvq_lab.models import ModelFacts
+
+        f = _replace(f, head_dim=int(hd)) if f is not None else ModelFacts(0, 0, 0, int(hd), 0, None)
+    return f
+
+
+def check_against_model(cfg: DictConfig, cache: CacheConfig, model: str, facts, ddir: Path | None) -> None:
+    """The checks that need the model's shape or tokenizer but not its weights, before it loads: group tiling and
+    transforms against the head dim, a per-layer bits file against the layer count, the calibration and sensitivity
+    texts against the token counts they must hold (with the model's own tokenizer, where it is local)."""
+    if facts is None:
+        return
+    if facts.head_dim:
+        try:
+            cache.check_head_dim(facts.head_dim)
+        except QuantConfigError as e:
+            raise ConfigError(str(e)) from None
+    from kvq_lab import precision_config
+
+    if facts.layers:
+        precision_config.check_layers(cfg, cache, facts.layers)
+    from kvq_lab.calibration import check_text_length, needs_calibration
+
+    needs_text = needs_calibration(cache) or precision_config.settings(cfg)["name"] == "search"
+    if not needs_text or (ddir is None and "gsm8k_train" in _text_sources(cfg)):
+        return  # the text would be downloaded: checked once the model loads
+    from kvq_lab.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve(model))
+    check_text_length(cfg, cache, tok, ddir)
+    precision_config.check_text_length(cfg, tok, ddir)
+
+
+def _text_sources(cfg: DictConfig) -> set[str]:
+    from kvq_lab import precision_config
+    from kvq_lab.calibration import settings
+
+    return {settings(cfg)["source"], precision_config.settings(cfg)["source"]}
+
+
+def resolve_backend(cache: CacheConfig, facts) -> CacheConfig:
+    """The cache with the backend that will run in place of `auto` (`kvq_lab.cache.backends.resolve`): records
+    name it, and `backend=auto` is the same run as an explicit choice of what it picks."""
+    if cache.mode == "simulated":
+        return replace(cache, backend="torch") if cache.backend != "torch" else cache
+    from kvq_lab.cache.backends import resolve
+
+    width = None
+    if cache.mode == "recompute" and facts is not None and facts.hidden:
+        width = cache.recompute_rank or facts.hidden
+    name = resolve(cache, width)
+    return cache if name is None or name == cache.backend else replace(cache, backend=name)
+
+
+def fit_pending(cfg: DictConfig, cache: CacheConfig) -> bool:
+    """Whether something of this run is fitted after the model loads (calibration, a per-layer search)."""
+    from kvq_lab import precision_config
+    from kvq_lab.calibration import needs_calibration
+
+    return needs_calibration(cache) or precision_config.settings(cfg)["name"] == "search"
+
+
+def kept_fit(cfg: DictConfig, cache: CacheConfig, ddir: Path | None, model_id) -> CacheConfig | None:
+    """The fitted cache from the calibration cache, where this run's fit is kept there and matches its digest
+    (read before any model loads, so a rerun finds its completed record at once); None otherwise."""
+    from kvq_lab import precision_config
+    from kvq_lab.calibration import fit_path, needs_calibration, read_fit, settings, text_at_hand
+
+    if not needs_calibration(cache) or precision_config.settings(cfg)["name"] == "search":
+        return None
+    if not text_at_hand(settings(cfg), ddir):
+        return None
+    return read_fit(fit_path(cache, cfg, ddir, model_id), cache)

@@ -7,7 +7,8 @@
 `pretrained` takes what `model.path` takes (registry names such as `smollm2-135m`, hub ids, folders, GGUF files);
 every cache knob of run.py is a model arg (key_axis, value_axis, bits, key_bits, value_bits, group_size,
 residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by the same function
-(`kvq_lab.config.cache_config`), so a bad value gets the same one-line error before the model loads. So is
+(`kvq_lab.config.cache_config`), so a bad value gets the same one-line error before the model loads; on the command
+line (`kvq-lm-eval`, and `lm_eval` with the plugin hook) before lm-eval even reads its tasks (`check_cli`). So is
 `recompute.rank`, spelled as run.py spells it (mode=recompute: cache X's projection on r singular vectors; not
 given, or None: X itself), checked against the model's config.json before its weights load, as run.py checks it:
 
@@ -26,8 +27,17 @@ import logging
 
 from omegaconf import OmegaConf
 
+from kvq_lab.calibration import data_dir_from_env
 from kvq_lab.checks import check_device, check_model
-from kvq_lab.config import CACHE_KNOBS, RunSchema, cache_config, check_recompute
+from kvq_lab.config import (
+    CACHE_KNOBS,
+    RunSchema,
+    cache_config,
+    check_against_model,
+    check_recompute,
+    model_facts,
+    resolve_backend,
+)
 from kvq_lab.errors import ConfigError
 from kvq_lab.eval.lm import QuantCacheLM
 
@@ -59,6 +69,65 @@ def cache_from_args(args: dict):
     return cache_config(OmegaConf.create(knobs))
 
 
+def check_model_args(
+    pretrained: str = "smollm2-135m",
+    dtype: str = "float32",
+    device: str | None = None,
+    revision: str | None = None,
+    batch_size: int | str = 1,
+    prefix_reuse: bool = True,
+    **knobs,
+):
+    """Every check `KvqLM` makes before it loads anything (run.py's, one-line ConfigError) -> (cache config, model
+    name, device). Also run on lm-eval's command line before lm-eval reads its tasks (`check_cli`)."""
+    knobs = {k: v for k, v in knobs.items() if k not in ("max_batch_size", "max_length")}
+    unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK})
+    if unknown:
+        allowed = ", ".join((*MODEL_ARGS, *CACHE_KNOBS, RECOMPUTE_RANK))
+        raise ConfigError(f"model arg {unknown[0]!r} is not a kvq setting; model args: {allowed}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
+    if not isinstance(prefix_reuse, bool):
+        raise ConfigError(f"prefix_reuse={prefix_reuse!r} must be true or false")
+    cache = cache_from_args(knobs)
+    device = _device(device)
+    cfg = OmegaConf.create({"model": {"path": str(pretrained), "dtype": dtype, "revision": revision}, "device": device})
+    try:
+        name = check_model(cfg)
+    except ConfigError as e:  # the model arg is `pretrained` here
+        raise ConfigError(str(e).replace("model.path=", "pretrained=")) from None
+    check_device(cfg, cache)
+    if cache.mode == "recompute":  # separable K/V projections and room for the rank, before the weights load
+        check_recompute(OmegaConf.merge(cfg, {"task": {"name": "lm_eval"}}), cache, name)
+    facts = model_facts(cfg, name)
+    check_against_model(OmegaConf.merge(cfg, {"task": {"name": "lm_eval"}}), cache, name, facts, data_dir_from_env())
+    return resolve_backend(cache, facts), name, device
+
+
+def check_cli(argv: list[str]) -> None:
+    """lm-eval's command line with `--model kvq`: the model args checked before lm-eval reads its task index (which
+    takes ~20 s), so a bad one is one line (`error: ...`, exit status 2), not a traceback after the wait."""
+    if "kvq" not in " ".join(argv):
+        return
+    import sys
+
+    from lm_eval._cli.harness import HarnessCLI
+
+    saved = list(sys.argv)
+    try:
+        sys.argv = list(argv)
+        args = HarnessCLI().parse_args()
+    finally:
+        sys.argv = saved
+    if getattr(args, "model", None) != "kvq":
+        return
+    try:
+        check_model_args(**(args.model_args or {}), **({"device": args.device} if args.device else {}))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 class KvqLM(QuantCacheLM):
     """lm-eval model `kvq`: loads `pretrained` as run.py does and hands every generate call a fresh cache built
     from the cache knobs among the model args."""
@@ -78,25 +147,9 @@ class KvqLM(QuantCacheLM):
         from kvq_lab.cache import QuantizedKVCache
         from kvq_lab.models import load_model
 
-        unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK})
-        if unknown:
-            allowed = ", ".join((*MODEL_ARGS, *CACHE_KNOBS, RECOMPUTE_RANK))
-            raise ConfigError(f"model arg {unknown[0]!r} is not a kvq setting; model args: {allowed}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
-        if not isinstance(prefix_reuse, bool):
-            raise ConfigError(f"prefix_reuse={prefix_reuse!r} must be true or false")
-        cache = cache_from_args(knobs)
-        device = _device(device)
-        cfg = OmegaConf.create(
-            {"model": {"path": str(pretrained), "dtype": dtype, "revision": revision}, "device": device}
-        )
-        name = check_model(cfg)
-        check_device(cfg, cache)
-        if cache.mode == "recompute":  # separable K/V projections and room for the rank, before the weights load
-            check_recompute(OmegaConf.merge(cfg, {"task": {"name": "lm_eval"}}), cache, name)
+        cache, name, device = check_model_args(pretrained, dtype, device, revision, batch_size, prefix_reuse, **knobs)
         model, tok = load_model(name, dtype=dtype, device=device)
-        from kvq_lab.calibration import calibrate, data_dir_from_env
+        from kvq_lab.calibration import calibrate
 
         # fitted methods (nuq, outliers, innerq, rotatekv): calibration's defaults (GSM8K train), as run.py fits them
         cache = calibrate(model, tok, cache, OmegaConf.create({}), data_dir_from_env(), name)
@@ -135,9 +188,13 @@ register()
 
 
 def main() -> None:
-    """lm-eval's command line with `kvq` registered (console script `kvq-lm-eval`)."""
+    """lm-eval's command line with `kvq` registered (console script `kvq-lm-eval`); kvq's model args are checked
+    first (`check_cli`)."""
+    import sys
+
     from lm_eval.__main__ import cli_evaluate
 
+    check_cli(sys.argv)
     cli_evaluate()
 
 

@@ -39,9 +39,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kvq_lab import integrity
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.errors import ConfigError
-from kvq_lab.precision_config import per_layer, read_file, settings, write_file
+from kvq_lab.precision_config import check_layers, per_layer, read_file, settings, write_file
 
 log = logging.getLogger("kvq_lab")
 
@@ -193,8 +194,9 @@ def sensitivity_dir() -> Path:
 
 def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], model_id: Any, text: str):
     """`sensitivities`, measured once per (model, quantizer settings, choices, text, code version) and kept in
-    $KVQ_PRECISION_CACHE (default ~/.cache/kvq_lab/precision): every budget of a sweep reads the same measurement.
-    -> (sensitivities, path of the cached file)."""
+        $KVQ_PRECISION_CACHE (default ~/.cache/kvq_lab/precision), with its digest beside it, verified on every read:
+    every budget of a sweep reads the same measurement.
+        -> (sensitivities, path of the cached file)."""
     from kvq_lab.provenance import code_version
 
     # what the measurement reads: the quantizers' settings but not their bits, the run's mode, window or backend
@@ -211,14 +213,15 @@ def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], mod
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = sensitivity_dir() / f"{key}.json"
     if path.is_file():
-        raw = json.loads(path.read_text())
-        log.info("precision: sensitivities from %s", path)
-        return {t: {int(b): v for b, v in d.items()} for t, d in raw.items()}, path
+        try:
+            raw = json.loads(integrity.read_verified(path))
+            log.info("precision: sensitivities from %s (digest verified)", path)
+            return {t: {int(b): v for b, v in d.items()} for t, d in raw.items()}, path
+        except integrity.Corrupt as e:
+            integrity.note_rebuild(e, "measuring again")
+            integrity.remove(path)
     sens = sensitivities(model, ids, cache, choices)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(sens))
-    tmp.replace(path)
+    integrity.write_verified(path, json.dumps(sens).encode())
     return sens, path
 
 
@@ -277,11 +280,7 @@ def resolve(
     s = settings(cfg)
     L = model.config.get_text_config(decoder=True).num_hidden_layers
     if s["name"] == "file":
-        if len(cache.layers) != L:
-            raise ConfigError(
-                f"precision.path={s['path']} gives {len(cache.layers)} layers but the model has {L}; search again "
-                "for this model (precision=search)"
-            )
+        check_layers(cfg, cache, L)  # validation checked it from the model's files where they are local
         return cache
     if s["name"] != "search":
         return cache

@@ -115,6 +115,30 @@ def check(cfg, cache: CacheConfig) -> None:
         )
 
 
+def check_layers(cfg, cache: CacheConfig, layers: int) -> None:
+    """precision=file against the model's layer count, read from its files before it loads (one-line ConfigError)."""
+    if settings(cfg)["name"] == "file" and len(cache.layers) != layers:
+        path = settings(cfg)["path"]
+        raise ConfigError(
+            f"precision.path={path} gives {len(cache.layers)} layers but the model has {layers}; search again for "
+            "this model (precision=search)"
+        )
+
+
+def check_text_length(cfg, tok, data_dir: Path | None) -> None:
+    """precision=search: the sensitivity text holds `precision.tokens` tokens of the model's tokenizer (one-line
+    ConfigError; validation loads the tokenizer alone)."""
+    s = settings(cfg)
+    if s["name"] != "search":
+        return
+    from kvq_lab.calibration import calibration_text
+
+    text = calibration_text({"source": s["source"], "path": s["path"]}, data_dir)[0]
+    n = len(tok(text, add_special_tokens=False).input_ids)
+    if n < s["tokens"]:
+        raise ConfigError(f"precision.source={s['source']} has {n} tokens; lower precision.tokens={s['tokens']}")
+
+
 # -- the precision file ----------------------------------------------------------------------------------------------
 def read_file(path: str) -> dict[str, Any]:
     """A precision.yaml (JSON is YAML) written by `write_file`: {"key_bits": [L], "value_bits": [L], ...}."""

@@ -3,7 +3,8 @@
 Together with the resolved config and the task's data identity (`Task.inputs`) these make the run key: resume
 reuses a record only when every part matches, so a changed quantizer, data file or model reruns instead of
 reporting a stale score. Large files are hashed once per (path, size, mtime) and remembered in
-`~/.cache/kvq_lab/hashes.json` ($KVQ_HASH_CACHE), so a sweep pays for the model hash once.
+`~/.cache/kvq_lab/hashes.json` ($KVQ_HASH_CACHE, with its digest beside it, verified on read), so a sweep pays for
+the model hash once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from kvq_lab import integrity
 
 PACKAGE = Path(__file__).resolve().parent
 CODE_SUFFIXES = (".py", ".c", ".yaml")
@@ -40,23 +43,20 @@ def file_sha256(path: Path) -> str:
     st = path.stat()
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
     store = _hash_cache_path()
-    try:
-        known = json.loads(store.read_text())
-    except (OSError, ValueError):
-        known = {}
+    known = {}
+    if store.is_file():
+        try:
+            known = json.loads(integrity.read_verified(store))
+        except integrity.Corrupt as e:  # a changed memo would give a model a wrong identity: start it again
+            integrity.note_rebuild(e, "hashing the files again")
+        except ValueError:
+            pass
     if key in known:
         return known[key]
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = integrity.sha256_file(path)
     known[key] = digest
     try:  # best effort: a read-only home only costs a rehash next time
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, store)
+        integrity.write_verified(store, json.dumps(known).encode())
     except OSError:
         pass
     return digest

@@ -252,10 +252,11 @@ def load_rows(
     probes = [
         r
         for d in probe_folders(results_dir)
-        for r in query(d)
+        for r in query(d, verified=True)
         if any(k.startswith("probe/") for k in r.get("metrics", {}))
     ]
-    return build_rows(query(Path(results_dir)), experiment, limit=limit, paper_model=paper_model, probe_records=probes)
+    rows = query(Path(results_dir), verified=True)  # a record that does not match its digest is named and left out
+    return build_rows(rows, experiment, limit=limit, paper_model=paper_model, probe_records=probes)
 
 
 def _fmt(x, digits: int = 2) -> str:

@@ -5,7 +5,9 @@ Layout: `<results_dir>/runs/<run name>/record.json` (+ any artifacts the task wr
 numbers come from), `run_key` (the resume key over both), `metrics` (flat, e.g. `coqa_turns/f1`), `env` (versions,
 git hash, device, host, pid), `timings` and `status`: `running` | `ok` | `failed` (with `error`) | `interrupted`
 (with the signal and the progress reached) | `died` (found `running` after its process was gone). Records are
-written atomically (temp file + rename) and a run never reuses another run's folder.
+written atomically (temp file + rename) and sealed: `digest` covers the record and the files it names beside it
+(`kvq_lab.integrity`), and `verify_records` / `pick_completed` refuse one that no longer matches. A run never reuses
+another run's folder.
 
 Claims: while a run is under way it holds an exclusive lock (`flock`) on `<results_dir>/claims/<run_key>.lock`,
 which names its host and PID; a second process asking for the same row is told who runs it and skips it. The
@@ -20,6 +22,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -27,6 +30,8 @@ from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from kvq_lab import integrity
 
 RECORD = "record.json"
 
@@ -80,6 +85,31 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_record(path: Path, record: dict) -> dict:
+    """Write a run record atomically, sealed with its digest (the files it names beside it must be written first);
+    -> the body as written (JSON types only, with `digest`)."""
+    body = json.loads(json.dumps({k: v for k, v in record.items() if k != "_path"}, default=_jsonable))
+    body = integrity.seal(body, path.parent)
+    write_json_atomic(path, body)
+    return body
+
+
+def overwrite_in_place(path: Path, record: dict) -> None:
+    """Last resort when a record cannot be replaced atomically (a full disk has no room for the temporary copy):
+    truncate the existing file and write the (smaller) record into the blocks that frees. Sealed like any record."""
+    body = json.loads(json.dumps({k: v for k, v in record.items() if k != "_path"}, default=_jsonable))
+    data = json.dumps(integrity.seal(body, path.parent), default=_jsonable).encode()
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _jsonable(x):
@@ -141,9 +171,10 @@ def read_table(rec: dict, *keys: str) -> dict:
     return {"columns": list(df.columns), "rows": df.astype(object).values.tolist()}
 
 
-def load_records(results_dir: Path) -> list[dict]:
+def load_records(results_dir: Path, verified: bool = False) -> list[dict]:
     """Every record under `<results_dir>/runs`, oldest first (by the folder's timestamp, then, within one second, by
-    the record's `started`); unreadable files are skipped with a note."""
+    the record's `started`); unreadable files are skipped with a note. `verified`: only records that match their
+    digest (the others are named in one line each, `verify_records`)."""
     out = []
     for p in sorted((Path(results_dir) / "runs").glob(f"*/{RECORD}")):
         try:
@@ -155,7 +186,27 @@ def load_records(results_dir: Path) -> list[dict]:
         out.append(rec)
     # folder names are `<second made>_<name>` (`new_run_dir`): two runs of one second sort by name there
     out.sort(key=lambda r: (Path(r["_path"]).name.split("_", 1)[0], str(r.get("started", ""))))
-    return out
+    return verify_records(out) if verified else out
+
+
+def verify_records(records: list[dict], say=None) -> list[dict]:
+    """The records that match their digests; each other one is refused in one line naming its file (`say`:
+    where the line goes, default stderr)."""
+    ok = []
+    for r in records:
+        reason = r["_integrity"] if "_integrity" in r else integrity.unsealed_reason(r)
+        if reason is None:
+            ok.append(r)
+        else:
+            refuse(r, reason, say)
+    return ok
+
+
+def refuse(rec: dict, reason: str, say=None) -> None:
+    line = f"refusing record {Path(rec['_path']) / RECORD}: {reason}"
+    if reason == "no digest":
+        line += " (made before kvq_lab sealed its records, or its digest was removed); rerun it"
+    (say or (lambda m: print(m, file=sys.stderr)))(line)
 
 
 def is_dirty(rec: dict) -> bool:
@@ -163,27 +214,28 @@ def is_dirty(rec: dict) -> bool:
 
 
 def pick_completed(records: list[dict], allow_dirty: bool = False) -> tuple[dict | None, list[dict]]:
-    """Among the records of one run key (oldest first): -> (the newest successful one, or None; the successful ones
-    passed over because they were made from a dirty git tree and `allow_dirty` is false). Records still marked
-    `running` are stale when this is called under the row's claim: they are marked `died` on the way."""
-    for r in records:
-        if r.get("status") == "running":
-            mark_died(r)
-    ok = [r for r in records if r.get("status") == "ok"]
+    """Among the records of one run key (oldest first): -> (the newest successful one that matches its digest, or
+    None; the successful ones passed over because they were made from a dirty git tree and `allow_dirty` is false).
+    A record that does not match its digest is refused in one line and never reused."""
+    ok = verify_records([r for r in records if r.get("status") == "ok"], say=print)
     usable = [r for r in ok if allow_dirty or not is_dirty(r)]
     return (usable[-1] if usable else None), [r for r in ok if r not in usable]
 
 
-def mark_died(rec: dict) -> None:
-    """A `running` record whose process is gone (its row's claim was free): say so, keep everything else."""
+def mark_died(rec: dict) -> bool:
+    """A `running` record whose process is gone (its row's claim was free): say so, keep everything else (a record
+    that does not match its digest is left as it is: it is not ours to reseal). -> whether it was marked."""
     path = Path(rec["_path"]) / RECORD
-    body = {k: v for k, v in rec.items() if k != "_path"}
+    if integrity.unsealed_reason(rec) is not None:
+        return False
+    body = {k: v for k, v in rec.items() if not k.startswith("_")}
     body.update(status="died", died_noticed=datetime.now().isoformat(timespec="seconds"))
     try:
-        write_json_atomic(path, body)
+        write_record(path, body)
         rec["status"] = "died"
+        return True
     except OSError:
-        pass  # a read-only results folder: the record stays as it was, the row reruns all the same
+        return False  # a read-only results folder: the record stays as it was, the row reruns all the same
 
 
 class Claim:
@@ -227,9 +279,14 @@ class Claim:
                 break
             os.close(fd)
         info = {"host": platform.node(), "pid": os.getpid(), "since": datetime.now().isoformat(timespec="seconds")}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(info).encode())
-        return cls(path, fd)
+        claim = cls(path, fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(info).encode())
+        except OSError:  # a full disk: give the claim back before saying so
+            claim.release()
+            raise
+        return claim
 
     def release(self) -> None:
         if self.fd < 0:

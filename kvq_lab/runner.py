@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import threading
 import traceback
@@ -29,9 +30,12 @@ from kvq_lab.results import (
     Timer,
     WandbMirror,
     environment,
+    mark_died,
     new_run_dir,
+    overwrite_in_place,
     pick_completed,
     write_json_atomic,
+    write_record,
     write_sidecars,
 )
 
@@ -129,37 +133,63 @@ def _signals_raise():
             signal.signal(s, h)
 
 
-def run(cfg: DictConfig, sweep: str | None = None) -> dict[str, float]:
-    """Run one config. Raises ConfigError on bad input (before loading anything). A failure inside the run is
-    recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on; SIGINT/SIGTERM
-    are recorded (status `interrupted`) and re-raised as RunInterrupted. Returns {} when another process holds
-    this row's claim (it is being run right now). `sweep`: the id of the sweep this row belongs to (run.py passes
-    it in multirun mode); W&B groups a sweep's rows by experiment_name, else by it."""
+def run(cfg: DictConfig, sweep: str | None = None, outcome: dict | None = None) -> dict[str, float]:
+    """Run one config. Raises ConfigError on bad input (before loading anything, or, for what only the loaded model
+    can tell, right after, with the run's folder removed: a rejected config leaves nothing). A failure inside the
+    run is recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on;
+    SIGINT/SIGTERM are recorded (status `interrupted`) and re-raised as RunInterrupted. Returns {} when another
+    process holds this row's claim (it is being run right now). `sweep`: the id of the sweep this row belongs to
+    (run.py passes it in multirun mode); W&B groups a sweep's rows by experiment_name, else by it. `outcome`, when
+    given, receives the row key and, for a row that did not run here, why (`skipped`, `running elsewhere`)."""
     plan = validate(cfg)
+    outcome = {} if outcome is None else outcome
+    outcome["row_key"] = plan.row_key
     with _signals_raise():
-        claim = Claim.acquire(plan.results_dir, plan.run_key)
+        try:
+            claim = Claim.acquire(plan.results_dir, plan.row_key)
+        except OSError as e:  # a full disk or a folder that stopped being writable since validation
+            msg = f"results_dir={plan.results_dir}: cannot write there ({e.strerror}); nothing was run"
+            raise ConfigError(msg) from None
         if claim is None:
-            print(f"skip: this row is being run now by {Claim.holder(plan.results_dir, plan.run_key)}")
+            holder = Claim.holder(plan.results_dir, plan.row_key)
+            print(f"skip: this row is being run now by {holder}")
+            outcome.update(status="running elsewhere", detail=holder)
             return {}
         with claim:
-            if cfg.get("resume", True):
-                from kvq_lab.index import query
-
-                same = query(plan.results_dir, {"run_key": plan.run_key})
-                done, dirty = pick_completed(same, allow_dirty=cfg.get("resume_dirty"))
-                if done is not None:
-                    print(f"skip: a completed record of this run exists: {done['_path']}")
-                    print(summary_line(plan, done["metrics"], Path(done["_path"])))
-                    return done["metrics"]
-                if dirty:
-                    print(
-                        f"note: {len(dirty)} completed record(s) of this run came from a git tree with uncommitted "
-                        f"changes ({dirty[-1]['_path']}); running again (resume_dirty=true would reuse it)"
-                    )
-            return _run(cfg, plan, sweep)
+            done = _completed(cfg, plan, outcome)
+            if done is not None:
+                return done
+            return _run(cfg, plan, sweep, outcome)
 
 
-def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
+def _completed(cfg: DictConfig, plan: RunPlan, outcome: dict) -> dict[str, float] | None:
+    """The metrics of a completed record of this run (same run key, matching its digest), printed as a skip; None
+    when there is none, resume is off, or the run key waits for a fit."""
+    if not cfg.get("resume", True):
+        return None
+    from kvq_lab.index import query
+
+    row = query(plan.results_dir, {"row_key": plan.row_key}, with_integrity=True)  # every fit of this row
+    for r in row:  # under the row's claim, a record still `running` is stale
+        if r.get("status") == "running":
+            mark_died(r)
+    if not plan.run_key:
+        return None
+    done, dirty = pick_completed([r for r in row if r.get("run_key") == plan.run_key], cfg.get("resume_dirty"))
+    if done is not None:
+        print(f"skip: a completed record of this run exists: {done['_path']}")
+        print(summary_line(plan, done["metrics"], Path(done["_path"])))
+        outcome.update(status="skipped", detail=f"a completed record exists ({Path(done['_path']) / RECORD})")
+        return done["metrics"]
+    if dirty:
+        print(
+            f"note: {len(dirty)} completed record(s) of this run came from a git tree with uncommitted "
+            f"changes ({dirty[-1]['_path']}); running again (resume_dirty=true would reuse it)"
+        )
+    return None
+
+
+def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
     from kvq_lab.alloc import retain_freed_memory
     from kvq_lab.plugins import TASKS
     from kvq_lab.tasks import TaskContext
@@ -176,9 +206,11 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         "config": resolved,
         "config_hash": plan.config_hash,
         "run_key": plan.run_key,
+        "row_key": plan.row_key,
         "inputs": plan.inputs,
         "cache": plan.cache.label(),
         "cache_config": asdict(plan.cache),
+        "backend": plan.cache.backend,  # the one that runs (`auto` resolved before the run key)
         "experiment": cfg.get("experiment_name"),
         "sweep": sweep,
         "env": environment(cfg.device),
@@ -186,9 +218,10 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         "timings": {},
     }
     try:
-        write_json_atomic(run_dir / RECORD, record)
+        write_record(run_dir / RECORD, record)
     except OSError as e:
-        raise RunFailed(f"cannot write the record {run_dir / RECORD}: {e}; nothing was run") from e
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise RunFailed(f"cannot write the record {run_dir / RECORD}: {e}; nothing was run") from None
 
     timer = Timer()
     # Task data loaders (lm-eval `custom_dataset` functions) read the data folder from the environment
@@ -202,13 +235,19 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         with timer("calibration_s"):  # fitted methods (nuq, outliers, innerq, rotatekv): one config per layer
             from kvq_lab.calibration import calibrate
 
-            plan.cache = calibrate(model, tok, plan.cache, cfg, plan.data_dir, plan.inputs.get("model"))
+            cache = calibrate(model, tok, plan.cache, cfg, plan.data_dir, plan.inputs.get("model"))
         with timer("precision_s"):  # precision=search: per-layer key/value bits under a budget (kvq_lab.precision)
             from kvq_lab import precision
 
             model_id = plan.inputs.get("model")
-            plan.cache = precision.resolve(model, tok, plan.cache, cfg, plan.data_dir, run_dir, model_id)
-            record["cache_config"] = asdict(plan.cache)
+            cache = precision.resolve(model, tok, cache, cfg, plan.data_dir, run_dir, model_id)
+        if plan.refit(cache):  # the fit is part of the run key: a completed record of this fit ends the run here
+            record.update(run_key=plan.run_key, inputs=plan.inputs)
+            done = _completed(cfg, plan, outcome)
+            if done is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                return done
+        record["cache_config"] = asdict(plan.cache)
         make_cache = cache_factory(plan, model)
         ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, plan.limit, cache_config=plan.cache)
         with timer("task_s"), torch.inference_mode():
@@ -237,6 +276,9 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         )
         _write_quietly(run_dir / RECORD, record)
         raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress)) from None
+    except ConfigError:  # what only the loaded model could tell: rejected like any bad input, nothing left behind
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     except Exception as e:
         record.update(
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
@@ -255,21 +297,44 @@ def _run(cfg: DictConfig, plan: RunPlan, sweep: str | None) -> dict[str, float]:
         if extras:
             record["artifacts"] = write_sidecars(run_dir, extras)
         if ctx.artifacts.get("samples"):
-            write_json_atomic(run_dir / "samples.json", ctx.artifacts["samples"])
+            write_json_atomic(run_dir / SAMPLES, ctx.artifacts["samples"])
+            record["samples_file"] = SAMPLES
         record["wandb_dir"] = _mirror(cfg, record, run_dir, metrics, ctx.artifacts)
-        write_json_atomic(run_dir / RECORD, record)
+        write_record(run_dir / RECORD, record)
     except OSError as e:
-        print(summary_line(plan, metrics, run_dir))
+        where = _record_failure(run_dir, record, f"{type(e).__name__}: {e}")
+        print(summary_line(plan, metrics, None))
         raise RecordNotWritten(
-            f"run {name} finished (metrics above) but its record could not be written to {run_dir}: {e}"
-        ) from e
+            f"run {name} finished (metrics above) but its record could not be written to {run_dir}: {e}; {where}"
+        ) from None
     print(summary_line(plan, metrics, run_dir))
     return metrics
 
 
+SAMPLES = "samples.json"
+
+
+def _record_failure(run_dir: Path, record: dict, reason: str) -> str:
+    """The final record could not be written (a full disk, permissions): leave the record `failed` with the reason
+    and the metrics if any write still succeeds (atomically, else in place over the `running` record, whose blocks a
+    full disk can reuse), so no record stays `running`. -> what the record now says, for the message."""
+    failed = {k: v for k, v in record.items() if k not in ("artifacts", "samples_file", "wandb_dir")} | {
+        "status": "failed",
+        "error": f"the record could not be written: {reason}",
+    }
+    path = run_dir / RECORD
+    for write in (write_record, overwrite_in_place):
+        try:
+            write(path, failed)
+            return f"the record {path} says failed"
+        except OSError:
+            continue
+    return f"the record {path} could not be updated either and still says running (it is not a result)"
+
+
 def _write_quietly(path: Path, record: dict) -> None:
     try:
-        write_json_atomic(path, record)
+        write_record(path, record)
     except OSError as e:
         log.error("could not update the record %s: %s", path, e)
 
@@ -307,13 +372,15 @@ def _progress_text(p: dict) -> str:
     return f"{p.get('done', 0)}{total} {p.get('unit', 'steps')}"
 
 
-def summary_line(plan: RunPlan, metrics: dict, run_dir: Path) -> str:
+def summary_line(plan: RunPlan, metrics: dict, run_dir: Path | None) -> str:
+    """The metrics in one line, then where the record is (run_dir None: no record holds them)."""
     shown = ", ".join(
         f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
         for k, v in metrics.items()
         if not k.startswith("probe/") or k.endswith("/mean")
     )
-    return f"[{plan.cache.label()}] {shown}\nrecord: {run_dir / RECORD}"
+    where = f"record: {run_dir / RECORD}" if run_dir is not None else "record: not written (see the error below)"
+    return f"[{plan.cache.label()}] {shown}\n{where}"
 
 
 __all__ = ["ConfigError", "RecordNotWritten", "RunFailed", "RunInterrupted", "run"]

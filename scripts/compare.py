@@ -3,11 +3,14 @@
     python scripts/compare.py --where task.name=ppl --where key_axis=channel
     python scripts/compare.py --where cache_config.key.bits=2 --metrics ppl/ppl --cols key_axis,value_axis
     python scripts/compare.py experiments/bits experiments/group_size --where task.name=ppl --csv /tmp/rows.csv
+    python scripts/compare.py --verify                  # check every record against its digest; exit 1 on a mismatch
 
 Folders: any results folders (default: results/ and every experiments/<name>/). --where FIELD=VALUE: a dotted path
 into the record; a bare name means config.<name> (key_axis = config.key_axis); VALUE is YAML (2, true, null,
 channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/ (kvq_lab.index,
-rebuilt from record.json files as needed).
+rebuilt from record.json files as needed). Only records that match their digests are shown; each other one is named
+in one line (kvq_lab.integrity). --verify checks every record of the folders (and the files they name) and lists
+those that do not match.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clean clone without installing
 
-from kvq_lab.index import records_of  # noqa: E402
+from kvq_lab.index import query, records_of  # noqa: E402
 
 TOP = ("status", "run_key", "experiment", "cache", "config", "cache_config", "metrics", "inputs", "env", "name")
 
@@ -47,6 +50,19 @@ def _get(rec: dict, dotted: str):
     return cur
 
 
+def verify(dirs: list[str], where: dict) -> int:
+    """One line per record that does not match its digest, then a count; -> 1 if any, else 0."""
+    n = bad = 0
+    for d in dirs:
+        for r in query(d, where, with_integrity=True):
+            n += 1
+            if r["_integrity"] is not None:
+                bad += 1
+                print(f"MISMATCH {Path(r['_path']) / 'record.json'}: {r['_integrity']}")
+    print(f"{n - bad} of {n} records match their digests" + (f"; {bad} do not" if bad else ""))
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="*", help="results folders (default: results/ and experiments/*/)")
@@ -54,9 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics", default=None, help="comma-separated metric names (default: all non-probe ones)")
     ap.add_argument("--cols", default="experiment,cache,task.name,limit", help="config fields to show")
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    ap.add_argument("--verify", action="store_true", help="check every record against its digest (exit 1: mismatch)")
     args = ap.parse_args(argv)
     dirs = args.dirs or ["results", *sorted(str(p) for p in Path("experiments").glob("*") if (p / "runs").is_dir())]
-    recs = records_of(dirs, parse_where(args.where))
+    if args.verify:
+        return verify(dirs, parse_where(args.where))
+    recs = records_of(dirs, parse_where(args.where), verified=True)
     if not recs:
         print(f"no records match in {', '.join(dirs)}")
         return 1

@@ -16,11 +16,15 @@ AXIS_ROWS = [  # (key_bits, value_bits, key_axis, value_axis, cache label, coqa_
 
 
 def write_record(results: Path, name: str, record: dict, samples: list | None = None) -> Path:
+    """A sealed record as the runner writes it (samples first, then the record with its digest)."""
+    from kvq_lab import results as R
+
     d = results / "runs" / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "record.json").write_text(json.dumps(record))
     if samples is not None:
         (d / "samples.json").write_text(json.dumps(samples))
+        record = {**record, "samples_file": "samples.json"}
+    R.write_record(d / "record.json", record)
     return d
 
 

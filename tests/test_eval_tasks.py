@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -320,15 +321,17 @@ def test_kvq_is_an_lm_eval_model_built_from_model_args(tiny_model_dir):
 
     import kvq_lab.lmeval as kl
     from kvq_lab.cache import QuantizedKVCache
+    from kvq_lab.cache.backends import resolve
 
     assert get_model("kvq") is kl.KvqLM
     lm = get_model("kvq").create_from_arg_string(
         f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2,mode=packed,residual_length=32",
         {"batch_size": 2, "max_batch_size": None, "device": None},
     )
-    assert lm.cache_config == kl.cache_from_args(
+    asked = kl.cache_from_args(
         {"key_axis": "channel", "value_axis": "token", "bits": 2, "mode": "packed", "residual_length": 32}
     )
+    assert asked.backend == "auto" and lm.cache_config == replace(asked, backend=resolve(asked))  # the one that runs
     assert lm.cache_config.key.axis == "channel" and lm.cache_config.value.bits == 2 and lm.batch_size_per_gpu == 2
     cache = lm.make_cache()
     assert isinstance(cache, QuantizedKVCache) and cache.cfg == lm.cache_config

@@ -11,13 +11,13 @@ from pathlib import Path
 from helpers_models import REPO
 
 from kvq_lab import index
-from kvq_lab.results import load_records, read_table, write_sidecars
+from kvq_lab.results import load_records, read_table, write_record, write_sidecars
 
 
 def _write(root: Path, name: str, **rec) -> Path:
     d = root / "runs" / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "record.json").write_text(json.dumps(rec))
+    write_record(d / "record.json", rec)  # sealed, as the runner writes it
     return d
 
 

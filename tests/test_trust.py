@@ -18,8 +18,8 @@ import torch
 from helpers_models import REPO, compose, tiny_args
 
 from kvq_lab.config import ConfigError, validate
-from kvq_lab.results import RECORD, Claim, load_records
-from kvq_lab.runner import RecordNotWritten, run
+from kvq_lab.results import RECORD, Claim, load_records, write_record
+from kvq_lab.runner import run
 
 COQA = "coqa/coqa-validation.first20.lm_eval.jsonl"
 
@@ -131,14 +131,14 @@ def test_claim_is_exclusive_released_and_a_leftover_file_is_taken_over(tmp_path)
 def test_a_claimed_row_is_skipped_and_a_stale_running_record_is_marked_died(tiny_model_dir, data_dir, tmp_path, capsys):
     args = tiny_args(tiny_model_dir, tmp_path, data_dir)
     plan = validate(compose(args))
-    held = Claim.acquire(tmp_path, plan.run_key)
+    held = Claim.acquire(tmp_path, plan.row_key)
     assert run(compose(args)) == {} and "being run now by pid" in capsys.readouterr().out
     assert _statuses(tmp_path) == []
     held.release()
     # a record left 'running' by a process that died (its claim is free now)
     d = tmp_path / "runs" / "old"
     d.mkdir(parents=True)
-    (d / RECORD).write_text(json.dumps({"status": "running", "run_key": plan.run_key, "metrics": {}}))
+    write_record(d / RECORD, {"status": "running", "run_key": plan.run_key, "row_key": plan.row_key, "metrics": {}})
     run(compose(args))
     assert sorted(_statuses(tmp_path)) == ["died", "ok"]
 
@@ -198,30 +198,15 @@ def test_signal_marks_the_record_interrupted_and_stops_the_sweep(tiny_model_dir,
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == code, err[-2000:]
     lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "decode ppl" not in ln]
-    assert lines[-1].startswith(f"interrupted: {sig.name} after ") and "decode steps" in lines[-1]
-    assert "Traceback" not in err
+    stop = next(i for i, ln in enumerate(lines) if ln.startswith(f"interrupted: {sig.name} after "))
+    assert "decode steps" in lines[stop] and "Traceback" not in err
+    assert lines[stop + 1 :][:1] == ["sweep: 0 of 2 rows ok or skipped"]  # then a line per row
+    assert lines[stop + 2].startswith(f"  row 1 (key_bits=2): interrupted: {sig.name} after ")
+    assert lines[stop + 3] == "  row 2 (key_bits=3): not run"
     (rec,) = load_records(tmp_path)  # the sweep stopped at its first row
     assert rec["status"] == "interrupted" and rec["signal"] == sig.name and rec["interrupted"]
     assert rec["progress"]["unit"] == "decode steps" and 0 < rec["progress"]["done"] < 4000
     assert not list((tmp_path / "claims").glob("*.lock"))  # the claim was released
-
-
-def test_a_record_that_cannot_be_written_prints_the_metrics(tiny_model_dir, data_dir, tmp_path, monkeypatch, capsys):
-    import kvq_lab.runner as runner
-
-    real = runner.write_json_atomic
-    calls = []
-
-    def flaky(path, obj):
-        calls.append(obj.get("status") if isinstance(obj, dict) else None)
-        if calls[-1] == "ok":
-            raise OSError(28, "No space left on device")
-        return real(path, obj)
-
-    monkeypatch.setattr(runner, "write_json_atomic", flaky)
-    with pytest.raises(RecordNotWritten, match="No space left"):
-        run(compose(tiny_args(tiny_model_dir, tmp_path, data_dir)))
-    assert "ppl/ppl=" in capsys.readouterr().out
 
 
 # --- bad input: one line, before load, nothing left behind --------------------------------------------------------

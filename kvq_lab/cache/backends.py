@@ -157,6 +157,37 @@ def check_formats(backend: str, specs) -> None:
         )
 
 
+def resolve(cache, width: int | None = None) -> str | None:
+    """The backend a cache of this config runs (`torch`, `cpu` or `triton`), decided before any model loads, so that
+    records name it and `auto` is the same run as what it picks: simulated mode runs the PyTorch reference; `auto`
+    picks as `get_backend` does (Triton with CUDA, else the CPU kernel where it builds, else torch; a format the
+    kernel cannot read: torch); packed sparse outliers read the dequantized history in PyTorch; mode=recompute's
+    Triton path needs a power-of-two `width` of X (None where the width is not known before the load: the layer
+    decides, and this returns None)."""
+    if cache.mode == "simulated":
+        return "torch"
+    name = cache.backend
+    specs = (cache.key,) if cache.mode == "recompute" else (cache.key, cache.value)
+    if name == "auto":
+        name = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
+        if name != "torch":
+            if name == "cpu":
+                from kvq_lab.kernels import cpu_kernel as _  # noqa: F401  (declares the formats it reads)
+            else:
+                from kvq_lab.kernels import triton_kernels as _  # noqa: F401
+            if unsupported_formats(name, specs):
+                return "torch"
+    if cache.mode == "packed" and (cache.outliers("key") is not None or cache.outliers("value") is not None):
+        return "torch"
+    if cache.mode == "recompute" and name == "triton" and cache.backend == "auto" and not cache.key.is_identity:
+        if width is None:
+            return None
+        G = cache.key.group_size
+        if width & (width - 1) or G & (G - 1):
+            return "torch"
+    return name
+
+
 def get_backend(name: str, specs: tuple[QuantSpec, ...] = ()) -> Backend:
     """`torch`, `cpu`, `triton`, or `auto` (Triton when CUDA is present, else the CPU kernel where it builds, else
     torch). Triton is imported only when chosen. `specs`: the quantizers (keys, values) the backend will serve; a

@@ -13,7 +13,8 @@ path within fp32 rounding (tested); dequantized values are bit for bit the refer
 The same library holds the native helpers of `cpu_native` (the caches' finiteness check, the hadamard transform).
 
 Built on first use with the system C compiler (`$CC`, else cc, gcc or clang) into `$KVQ_KERNEL_CACHE` (default
-~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU; later loads take milliseconds. Loaded with
+~/.cache/kvq_lab/kernels), keyed by the source, the flags and the CPU, with its digest beside it; later loads verify
+the digest and take milliseconds (a truncated or changed library is named and rebuilt, never loaded). Loaded with
 ctypes (no PyTorch headers: the build takes about a second). Flags: -O3, -march=native where the compiler takes
 it, -ffp-contract=off (the dequantization `table[code] * scale + zero` keeps the reference's two roundings),
 -fno-trapping-math (no value changes; lets the compiler vectorise the softmax's floor and selects),
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kvq_lab import integrity
 from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
 
@@ -131,11 +134,29 @@ def load() -> ctypes.CDLL:
     return _LIB
 
 
-def _build_and_load() -> ctypes.CDLL:
+def _built() -> Path:
+    """The compiled library for this source, flags and CPU, verified against the digest written beside it when it
+    was built (a truncated or changed file would crash the process on load: it is named in one line and rebuilt).
+    Builders of one library take turns (a lock file), so none sees another's half-sealed build."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags()).encode() + _cpu_id().encode()).hexdigest()[:16]
     so = cache_dir() / f"cpu_kernel-{key}.so"
-    if not so.exists():
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with open(so.with_name(so.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if so.exists():
+            try:
+                integrity.verify_file(so)
+                return so
+            except integrity.Corrupt as e:
+                integrity.note_rebuild(e)
+                integrity.remove(so)
         _compile(so)
+        integrity.seal_file(so)
+    return so
+
+
+def _build_and_load() -> ctypes.CDLL:
+    so = _built()
     lib = ctypes.CDLL(str(so))
     lib.kvq_args_size.restype = ctypes.c_int64
     if lib.kvq_args_size() != 8 * N_FIELDS:

@@ -278,7 +278,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     recs = [
         r
-        for r in load_records(Path(args.results_dir))
+        for r in load_records(Path(args.results_dir), verified=True)
         if r.get("status") == "ok"
         and r["config"].get("task", {}).get("name") == "probe"
         and (args.experiment is None or r.get("experiment") == args.experiment)
