@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from kvq_lab.config import ConfigError, register_schema  # noqa: E402
+from kvq_lab.run.config import ConfigError, register_schema  # noqa: E402
 
 register_schema()
 
@@ -27,8 +27,8 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kvq_lab import sweep
-    from kvq_lab.runner import RecordNotWritten, RunFailed, RunInterrupted, run
+    from kvq_lab.run import sweep
+    from kvq_lab.run.runner import RecordNotWritten, RunFailed, RunInterrupted, run
 
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
     for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> float | None:
     multirun = hc.mode == RunMode.MULTIRUN
     # a sweep's id (its start time): groups its rows in W&B when no experiment_name names them
     sweep_id = f"sweep-{os.path.basename(str(hc.sweep.dir))}" if multirun else None
-    outcome = {}  # what this row ended as, for the sweep's summary (kvq_lab.sweep)
+    outcome = {}  # what this row ended as, for the sweep's summary (kvq_lab.run.sweep)
     try:
         metrics = run(cfg, sweep=sweep_id, outcome=outcome)
     except ConfigError as e:
@@ -68,7 +68,7 @@ def main(cfg: DictConfig) -> float | None:
 def entry() -> None:
     """main(), then a sweep's summary: one line per row, exit status 1 when a row failed or was rejected (printed
     also when a row's interruption ends the sweep, whose exit status stays 128 + the signal)."""
-    from kvq_lab import sweep
+    from kvq_lab.run import sweep
 
     try:
         main()

@@ -34,21 +34,16 @@ fp8: scale), sinks and the windows' fixed buffers (R + R/16 rows each, `streams.
 and rope=pre's position ids (int32).
 
 `--json PATH` writes {"rows": [...], "code": ..., "argv": [...]}: the package's code version
-(`kvq_lab.provenance.code_version`), the command's arguments, and one object per cache, setting and prompt length,
-with the keys
-    kind      dynamic | ours_packed | ours_simulated | ours_recompute | quanto | hqq
-    label     the row's name in the tables          backend  auto's choice, torch, ... (null: not ours)
-    rope      post | pre                            dtype    float32 | bfloat16 (the model's)
-    batch     rows decoded together                 format   int | fp8_e4m3 | lut (null: DynamicCache)
-    transform hadamard on keys and values, or null
-    length    prompt tokens (the padded length for a batch)
-    tok_s     decode tokens/s (median step)         ratio    tok_s / DynamicCache's at the same length, dtype, batch
-    paired_ratio  DynamicCache's step time / this cache's, in the same round, median over rounds (`paired_ratio`)
-    pre_over_post, paired_pre_over_post  rope=pre rows of ours: tok_s / the rope=post row's, and the same paired;
-              else null
-    prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat)
-    measured_over_arith  peak bytes / storage arithmetic (ours packed; else null)
-"""
+(`kvq_lab.records.provenance.code_version`), the command's arguments, and one object per cache, setting and prompt
+length, with the keys kind      dynamic | ours_packed | ours_simulated | ours_recompute | quanto | hqq label     the
+row's name in the tables          backend  auto's choice, torch, ... (null: not ours) rope      post | pre
+dtype    float32 | bfloat16 (the model's) batch     rows decoded together                 format   int | fp8_e4m3 | lut
+(null: DynamicCache) transform hadamard on keys and values, or null length    prompt tokens (the padded length for a
+batch) tok_s     decode tokens/s (median step)         ratio    tok_s / DynamicCache's at the same length, dtype, batch
+paired_ratio  DynamicCache's step time / this cache's, in the same round, median over rounds (`paired_ratio`)
+pre_over_post, paired_pre_over_post  rope=pre rows of ours: tok_s / the rope=post row's, and the same paired; else null
+prefill_s seconds (median)                      peak_bytes  the cache's peak bytes (last repeat) measured_over_arith
+peak bytes / storage arithmetic (ours packed; else null)"""
 
 from __future__ import annotations
 
@@ -68,10 +63,10 @@ from transformers import DynamicCache, QuantizedCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
-from kvq_lab.models import cache_kwarg, load_model
-from kvq_lab.provenance import code_version
+from kvq_lab.models.loading import cache_kwarg, load_model
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.records.provenance import code_version
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable metal type made it possible "

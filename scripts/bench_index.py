@@ -1,4 +1,4 @@
-"""How fast the record index (kvq_lab/index.py) builds and answers on a large synthetic results folder.
+"""How fast the record index (kvq_lab/records/index.py) builds and answers on a large synthetic results folder.
 
     python scripts/bench_index.py                 # 10,000 records in a temporary folder
     python scripts/bench_index.py --n 50000
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvq_lab import index  # noqa: E402
-from kvq_lab.results import load_records  # noqa: E402
+from kvq_lab.records import index  # noqa: E402
+from kvq_lab.records.record import load_records  # noqa: E402
 
 
 def make_records(root: Path, n: int, start: int = 0, seed: int = 0) -> list[str]:

@@ -7,11 +7,10 @@
 
 Folders: any results folders (default: results/ and every experiments/<name>/). --where FIELD=VALUE: a dotted path
 into the record; a bare name means config.<name> (key_axis = config.key_axis); VALUE is YAML (2, true, null,
-channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/ (kvq_lab.index,
-rebuilt from record.json files as needed). Only records that match their digests are shown; each other one is named
-in one line (kvq_lab.integrity). --verify checks every record of the folders (and the files they name) and lists
-those that do not match.
-"""
+channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/
+(kvq_lab.records.index, rebuilt from record.json files as needed). Only records that match their digests are shown; each
+other one is named in one line (kvq_lab.common.integrity). --verify checks every record of the folders (and the files
+they name) and lists those that do not match."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clean clone without installing
 
-from kvq_lab.index import query, records_of  # noqa: E402
+from kvq_lab.records.index import query, records_of  # noqa: E402
 
 TOP = ("status", "run_key", "experiment", "cache", "config", "cache_config", "metrics", "inputs", "env", "name")
 

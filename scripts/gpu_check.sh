@@ -36,9 +36,9 @@ if [[ "${1:-}" == "prepare" ]]; then
     PY="${PY:-.venv/bin/python}"
     mkdir -p "$CARRY/model" "$CARRY/whl"
     grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >>.git/info/exclude
-    # the converted model's folder (kvq_lab.models converts the GGUF on first load, ~1 min)
+    # the converted model's folder (kvq_lab.models.loading converts the GGUF on first load, ~1 min)
     src="$("$PY" -c "
-from kvq_lab.models import cache_dir, load_model
+from kvq_lab.models.loading import cache_dir, load_model
 d = cache_dir() / '$MODEL_NAME'
 if not (d / 'config.json').exists():
     load_model('$MODEL_NAME')

@@ -5,8 +5,8 @@
     python scripts/make_table.py kivi_residual --results-dir /tmp/mine --out /tmp/t
 
 Rows: one per cache setting; for each task the run covering the most documents (newest among equals). Failed or
-unfinished rows say so instead of disappearing. Logic: kvq_lab/report.py; paper numbers: kvq_lab/anchors.py.
-"""
+unfinished rows say so instead of disappearing. Logic: kvq_lab/report/tables.py; paper numbers:
+kvq_lab/report/anchors.py."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clean clone without installing
 
-from kvq_lab.anchors import DEFAULT_MODEL, TABLE1  # noqa: E402
-from kvq_lab.report import make_report  # noqa: E402
+from kvq_lab.report.anchors import DEFAULT_MODEL, TABLE1  # noqa: E402
+from kvq_lab.report.tables import make_report  # noqa: E402
 
 
 def main(argv=None) -> int:

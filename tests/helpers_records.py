@@ -1,4 +1,4 @@
-"""Synthetic run records (the layout kvq_lab.runner writes) for table and notebook tests: no model needed."""
+"""Synthetic run records (the layout kvq_lab.run.runner writes) for table and notebook tests: no model needed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ AXIS_ROWS = [  # (key_bits, value_bits, key_axis, value_axis, cache label, coqa_
 
 def write_record(results: Path, name: str, record: dict, samples: list | None = None) -> Path:
     """A sealed record as the runner writes it (samples first, then the record with its digest)."""
-    from kvq_lab import results as R
+    from kvq_lab.records import record as R
 
     d = results / "runs" / name
     d.mkdir(parents=True, exist_ok=True)

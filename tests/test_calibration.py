@@ -1,4 +1,4 @@
-"""Calibration (`kvq_lab.calibration`): what it captures, where it caches, what it refuses, and that fitted configs
+"""Calibration (`kvq_lab.fit.calibration`): what it captures, where it caches, what it refuses, and that fitted configs
 run in both cache modes and through run.py."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from helpers_models import compose, tiny_args
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from kvq_lab import calibration as C
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.rope import RopeHelper
 from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.config import ConfigError, config_hash, validate
+from kvq_lab.fit import calibration as C
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.quant.transforms.rope_pre import rotate
+from kvq_lab.run.config import ConfigError, config_hash, validate
 
 
 class ByteTokenizer:
@@ -32,7 +32,8 @@ class ByteTokenizer:
 
 
 def settings(**kw):
-    return OmegaConf.create({"calibration": {"tokens": 128, "chunk": 64, **kw}, "task": {"name": "ppl"}})
+    """A run's calibration section: short texts for the tiny model."""
+    return {"tokens": 128, "chunk": 64, **kw}
 
 
 METHOD = CacheConfig(
@@ -111,14 +112,12 @@ def test_fitted_config_simulated_equals_packed(tiny_model, tmp_path, monkeypatch
 
 
 def test_coqa_tail_must_not_overlap_the_ppl_windows():
-    cfg = OmegaConf.create(
-        {"task": {"name": "ppl", "source": "coqa_stories", "windows": 4, "context_tokens": 512, "eval_tokens": 512}}
-    )
+    task = {"name": "ppl", "source": "coqa_stories", "windows": 4, "context_tokens": 512, "eval_tokens": 512}
     s = {**C.DEFAULTS, "source": "coqa_stories", "tokens": 2048}
     with pytest.raises(ValueError, match="overlap the 4096 that task=ppl scores") as e:
-        C.token_ids(ByteTokenizer(), "x" * 5000, s, cfg)
+        C.token_ids(ByteTokenizer(), "x" * 5000, s, task)
     assert "\n" not in str(e.value)
-    assert C.token_ids(ByteTokenizer(), "x" * 7000, s, cfg).shape == (1, 2048)  # the tail, after the windows
+    assert C.token_ids(ByteTokenizer(), "x" * 7000, s, task).shape == (1, 2048)  # the tail, after the windows
 
 
 BAD = [
@@ -154,7 +153,7 @@ def test_calibration_settings_hash_only_where_used(data_dir):
 
 def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """run.py with fitted methods: calibration once (the second run reads the disk cache), every stored bit counted."""
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path / "cal"))
     cal = ["calibration.tokens=128", "calibration.chunk=64"]
@@ -173,7 +172,7 @@ def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch)
 
 def test_methods_experiment_rows_validate(data_dir):
     """Every row of conf/experiment/methods.yaml validates for both of its tasks, and the rows are distinct caches."""
-    from kvq_lab.config import validate
+    from kvq_lab.run.config import validate
 
     exp = OmegaConf.load(Path(__file__).parent.parent / "conf" / "experiment" / "methods.yaml")
     rows = str(exp.hydra.sweeper.params.quant).split(",")

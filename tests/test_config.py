@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers_models import compose
 
-from kvq_lab.config import ConfigError, validate
+from kvq_lab.run.config import ConfigError, validate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def test_probe_settings_are_checked_before_the_run(data_dir):
 
 
 def test_config_hash_is_the_cache_not_the_spelling(data_dir):
-    from kvq_lab.config import config_hash
+    from kvq_lab.run.config import config_hash
 
     d = f"data_dir={data_dir}"
     assert config_hash(cfg_with("bits=2", d)) == config_hash(cfg_with("key_bits=2", "value_bits=2", d))

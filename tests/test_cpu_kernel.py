@@ -247,7 +247,7 @@ def test_failed_build_names_the_fix(monkeypatch, tmp_path):
 
 
 def test_backend_cpu_without_compiler_fails_before_model_load(no_compiler):
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     cfg = compose(["mode=packed", "residual_length=32", "backend=cpu", "model.path=/nonexistent/model"])
     with pytest.raises(ConfigError, match="backend=cpu: cannot run the C compiler"):
@@ -327,7 +327,7 @@ def _step_logits(model, cfg: CacheConfig, ids: torch.Tensor, steps: int, mask=No
     """Greedy decode, the last position's logits of the prefill and of every step: [B, steps, vocab]. mask: a
     left-padded batch's [B, T] (1 = token), declared to the cache, with position ids counted from each row's first
     token (as `generate` does)."""
-    from kvq_lab.models import cache_kwarg
+    from kvq_lab.models.loading import cache_kwarg
 
     cache = QuantizedKVCache.for_model(model, cfg)
     kw = {cache_kwarg(): cache, "use_cache": True}

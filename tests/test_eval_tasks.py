@@ -15,12 +15,12 @@ import pytest
 import torch
 from helpers_models import REPO, compose, tiny_args
 
-from kvq_lab.config import ConfigError, validate
-from kvq_lab.eval import behavior as B
-from kvq_lab.eval import retrieval as R
-from kvq_lab.eval.fidelity import compare, curve
-from kvq_lab.results import load_records
-from kvq_lab.runner import run
+from kvq_lab.records.record import load_records
+from kvq_lab.run.config import ConfigError, validate
+from kvq_lab.run.runner import run
+from kvq_lab.tasks import behavior as B
+from kvq_lab.tasks import retrieval as R
+from kvq_lab.tasks.fidelity import compare, curve
 
 TEST_TASKS = REPO / "tests" / "lm_eval_tasks"
 
@@ -210,7 +210,7 @@ def test_a_hub_dataset_is_a_source(tiny_model_dir, data_dir, tmp_path, monkeypat
     """task.source=hf goes through datasets.load_dataset (replaced here: no network in tests)."""
     import datasets
 
-    from kvq_lab.eval import text
+    from kvq_lab.tasks import text
 
     calls = []
 
@@ -319,7 +319,7 @@ def test_lm_eval_task_names_are_checked_before_load(tiny_model_dir, data_dir, tm
 def test_kvq_is_an_lm_eval_model_built_from_model_args(tiny_model_dir):
     from lm_eval.api.registry import get_model
 
-    import kvq_lab.lmeval as kl
+    import kvq_lab.lmeval.cli as kl
     from kvq_lab.cache import QuantizedKVCache
     from kvq_lab.cache.backends import resolve
 
@@ -350,19 +350,19 @@ def _with_plugin(site: Path, code: str) -> list[str]:
     """A Python command that sees this environment's packages but runs none of its .pth files (-S: whether or not
     setup.sh installed the plugin here), then starts as if `site` were a site-packages folder (its .pth files run),
     then runs `code`. The working directory (REPO) is on sys.path, for kvq_lab."""
-    from kvq_lab.lm_eval_plugin import site_dir
+    from kvq_lab.lmeval.plugin import site_dir
 
     boot = f"import site, sys; sys.path.append({str(site_dir())!r}); site.addsitedir({str(site)!r})"
     return [sys.executable, "-S", "-c", f"{boot}; {code}"]
 
 
 def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
-    """The .pth line and hook module that `python -m kvq_lab.lm_eval_plugin register` installs: Python starts
+    """The .pth line and hook module that `python -m kvq_lab.lmeval.plugin register` installs: Python starts
     without importing kvq_lab (which would pin the package to the installed checkout for scripts run from another
     clone), lm-eval or torch, and lm-eval's registry then resolves `kvq` to KvqLM."""
     import subprocess
 
-    from kvq_lab import lm_eval_plugin
+    from kvq_lab.lmeval import plugin as lm_eval_plugin
 
     pth = lm_eval_plugin.register(tmp_path)
     assert pth.read_text() == lm_eval_plugin.PTH_LINE
@@ -372,7 +372,7 @@ def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
     )
     out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["[]", "kvq_lab.lmeval"]
+    assert out.stdout.split() == ["[]", "kvq_lab.lmeval.cli"]
     lm_eval_plugin.unregister(tmp_path)
     assert not any(tmp_path.iterdir())
     out = subprocess.run(_with_plugin(tmp_path, code), cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -382,17 +382,17 @@ def test_lm_eval_plugin_registers_kvq_lazily(tmp_path):
 @pytest.mark.slow  # lm-eval's CLI in a subprocess indexes every task YAML (~30 s)
 @pytest.mark.parametrize("command", ["kvq-lm-eval", "lm_eval"])
 def test_lm_eval_cli_runs_the_kvq_model(tiny_model_dir, tmp_path, command):
-    """`kvq-lm-eval run ...` (lm-eval's CLI with kvq_lab.lmeval imported first), and lm-eval's own `lm_eval run ...`
+    """`kvq-lm-eval run ...` (lm-eval's CLI with kvq_lab.lmeval.cli imported first), and lm-eval's own `lm_eval run ...`
     in a Python whose site-packages holds the plugin's .pth file (as scripts/setup.sh installs it)."""
     import subprocess
 
-    from kvq_lab import lm_eval_plugin
+    from kvq_lab.lmeval import plugin as lm_eval_plugin
 
     args = ["run", "--model", "kvq", "--model_args",
             f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2", "--tasks", "kvq_tiny_gen",
             "--include_path", str(TEST_TASKS), "--output_path", str(tmp_path / "out")]  # fmt: skip
     if command == "kvq-lm-eval":
-        cmd = [sys.executable, "-m", "kvq_lab.lmeval", *args]
+        cmd = [sys.executable, "-m", "kvq_lab.lmeval.cli", *args]
     else:
         lm_eval_plugin.register(tmp_path)
         cmd = _with_plugin(tmp_path, f"sys.argv = ['lm_eval', *{args!r}]; from lm_eval.__main__ import cli_evaluate; "

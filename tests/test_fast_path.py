@@ -429,7 +429,7 @@ def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
     returned = bench.main(args)
     data = json.loads(out.read_text())
     assert set(data) == {"rows", "code", "argv"} and data["rows"] == returned and data["argv"] == args
-    from kvq_lab.provenance import code_version
+    from kvq_lab.records.provenance import code_version
 
     assert data["code"] == code_version()
     rows = data["rows"]

@@ -22,10 +22,10 @@ import pytest
 import torch
 from helpers_models import REPO, compose, run_py, tiny_args
 
-from kvq_lab import integrity
-from kvq_lab.config import ConfigError, validate
-from kvq_lab.results import RECORD, load_records
-from kvq_lab.runner import RecordNotWritten, run
+from kvq_lab.common import integrity
+from kvq_lab.records.record import RECORD, load_records
+from kvq_lab.run.config import ConfigError, validate
+from kvq_lab.run.runner import RecordNotWritten, run
 
 NUQ = ["key_format=nuq", "calibration.tokens=256", "calibration.chunk=128"]
 
@@ -120,8 +120,8 @@ def test_a_truncated_kernel_library_never_crashes_a_run(tiny_model_dir, data_dir
 
 
 def test_changed_sensitivities_are_named_and_measured_again(tiny_model, caches, capsys):
-    from kvq_lab import precision
     from kvq_lab.cache import CacheConfig
+    from kvq_lab.fit import precision
 
     ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0))
     cache = CacheConfig(mode="simulated")
@@ -134,7 +134,7 @@ def test_changed_sensitivities_are_named_and_measured_again(tiny_model, caches, 
 
 
 def test_a_changed_converted_model_is_named_and_converted_again(tmp_path, monkeypatch, capsys):
-    from kvq_lab import models
+    from kvq_lab.models import loading as models
 
     monkeypatch.setenv("KVQ_MODEL_CACHE", str(tmp_path))
     folder = tmp_path / "smollm2-135m"
@@ -151,7 +151,7 @@ def test_a_changed_converted_model_is_named_and_converted_again(tmp_path, monkey
 
 
 def test_a_changed_hash_memo_is_named_and_the_file_hashed_again(tmp_path, monkeypatch, capsys):
-    from kvq_lab import provenance
+    from kvq_lab.records import provenance
 
     memo = tmp_path / "hashes.json"
     monkeypatch.setenv("KVQ_HASH_CACHE", str(memo))
@@ -209,8 +209,8 @@ def test_every_committed_record_matches_its_digest():
 
 def _full_disk_at_the_end(monkeypatch, fail_fallbacks: int):
     """The final record write fails (ENOSPC); so do the first `fail_fallbacks` ways of marking it failed."""
-    import kvq_lab.results as results
-    import kvq_lab.runner as runner
+    import kvq_lab.records.record as results
+    import kvq_lab.run.runner as runner
 
     failures = {"n": 0}
 
@@ -251,7 +251,7 @@ def test_a_disk_that_refuses_every_write_says_the_record_is_stale(tiny_model_dir
 
 
 def test_a_full_disk_before_the_run_is_one_line(tiny_model_dir, data_dir, tmp_path, monkeypatch):
-    import kvq_lab.checks as checks
+    import kvq_lab.run.checks as checks
 
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
     with pytest.raises(ConfigError, match=r"its disk is full \(4 KiB free") as e:
@@ -270,7 +270,7 @@ def _some_records(root: Path, n: int = 3) -> None:
 
 
 def test_an_index_with_corrupt_pages_is_rebuilt_in_one_line(tmp_path, capsys):
-    from kvq_lab import index
+    from kvq_lab.records import index
 
     _some_records(tmp_path, 200)
     assert len(index.query(tmp_path)) == 200
@@ -289,7 +289,7 @@ def test_an_index_with_corrupt_pages_is_rebuilt_in_one_line(tmp_path, capsys):
 
 
 def test_an_index_on_a_full_disk_is_read_in_memory(tmp_path, monkeypatch, capsys):
-    from kvq_lab import index
+    from kvq_lab.records import index
 
     _some_records(tmp_path)
     real = sqlite3.connect
@@ -345,7 +345,7 @@ def test_a_failed_row_makes_the_sweep_exit_1_with_a_line_per_row(tiny_model_dir,
 
 
 def _late_inputs(tmp: Path, tiny: Path) -> list[tuple[list[str], str]]:
-    from kvq_lab.models import embedded_gguf
+    from kvq_lab.models.loading import embedded_gguf
 
     gguf = tmp / "cut.gguf"
     with open(embedded_gguf("smollm2-135m"), "rb") as f:
@@ -366,7 +366,7 @@ def _late_inputs(tmp: Path, tiny: Path) -> list[tuple[list[str], str]]:
 
 
 def test_errors_the_model_files_can_tell_come_before_the_load(data_dir, tiny_model_dir, tmp_path, monkeypatch):
-    import kvq_lab.models as models
+    import kvq_lab.models.loading as models
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded for a bad input")
@@ -383,9 +383,9 @@ def test_errors_the_model_files_can_tell_come_before_the_load(data_dir, tiny_mod
 def test_a_config_rejected_after_the_load_leaves_nothing(tiny_model_dir, data_dir, tmp_path, monkeypatch, caches):
     """Where only the loaded model can tell (a hub model: nothing local to read first), the run is rejected like any
     bad input: one line, no record."""
-    import kvq_lab.config as config
+    import kvq_lab.fit.checks as checks
 
-    monkeypatch.setattr(config, "check_against_model", lambda *a: None)  # as for a model known only on the hub
+    monkeypatch.setattr(checks, "check_against_model", lambda *a: None)  # as for a model known only on the hub
     short = tmp_path / "short.txt"
     short.write_text("Too short to fit a codebook on.")
     args = tiny_args(tiny_model_dir, tmp_path / "res", data_dir) + ["key_format=nuq", "calibration=file",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from helpers_models import compose
 
-from kvq_lab.config import ConfigError, cache_config, config_hash, validate
 from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.run.config import ConfigError, cache_config, config_hash, validate
 
 BAD = [
     (["format=fp8_e4m3", "key_bits=2"], r"^format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts: drop key_bits"),

@@ -357,7 +357,7 @@ def test_auto_falls_back_with_one_warning_and_an_explicit_backend_fails(int_with
 def test_an_explicit_backend_that_cannot_read_the_format_fails_before_model_load(int_without_cpu):
     from helpers_models import compose
 
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     cfg = compose(["format=int_nocpu", "mode=packed", "residual_length=32", "backend=cpu", "model.path=/no/model"])
     with pytest.raises(ConfigError, match="backend=cpu cannot read format=int_nocpu") as e:

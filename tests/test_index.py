@@ -1,4 +1,4 @@
-"""The record index (kvq_lab/index.py) equals the records it is rebuilt from, follows every change, survives
+"""The record index (kvq_lab/records/index.py) equals the records it is rebuilt from, follows every change, survives
 corruption; large tables go to Parquet sidecars; scripts/compare.py selects across folders."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 from helpers_models import REPO
 
-from kvq_lab import index
-from kvq_lab.results import load_records, read_table, write_record, write_sidecars
+from kvq_lab.records import index
+from kvq_lab.records.record import load_records, read_table, write_record, write_sidecars
 
 
 def _write(root: Path, name: str, **rec) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers_models import run_py, tiny_args
 
-from kvq_lab.results import load_records
+from kvq_lab.records.record import load_records
 
 
 @pytest.mark.slow  # real processes per row: ~1 min each on 2 cores

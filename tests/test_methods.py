@@ -3,7 +3,7 @@ and rotatekv (RotateKV). For each: a reference on a hand-computed case, a direct
 channels measured where the tensors are consumed (`kvq_lab.probes.errors.layer_errors`: attention scores for keys,
 attention output for values), each paired with a case that must differ; and the byte accounting.
 
-Fitted methods are fitted with `kvq_lab.calibration.fit` on synthetic "captures" drawn independently of the data the
+Fitted methods are fitted with `kvq_lab.fit.calibration.fit` on synthetic "captures" drawn independently of the data the
 errors are measured on (never the evaluated tensors), as calibration fits them on other text.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.accounting import stored_bits, tensor_bits
-from kvq_lab.calibration import fit
+from kvq_lab.fit.calibration import fit
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
 from kvq_lab.probes.settings import ProbeSettings

@@ -1,6 +1,6 @@
-"""Layer-wise mixed precision (kvq_lab/precision.py, the search; kvq_lab/precision_config.py, settings and file): the
-knapsack is exact, the budget holds as nbytes() counts it, the saved file reruns the same metrics, bad settings fail
-in one line before the model loads, the sensitivity text is calibration's."""
+"""Layer-wise mixed precision (kvq_lab/fit/precision.py, the search; kvq_lab/fit/precision_settings.py, settings and
+file): the knapsack is exact, the budget holds as nbytes() counts it, the saved file reruns the same metrics, bad
+settings fail in one line before the model loads, the sensitivity text is calibration's."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_models import compose, tiny_args
-from omegaconf import OmegaConf
 
-from kvq_lab import precision, precision_config
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.config import ConfigError, validate
+from kvq_lab.fit import precision
+from kvq_lab.fit import precision_settings as precision_config
 from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.run.config import ConfigError, validate
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +70,7 @@ def test_sensitive_layers_get_the_bits():
 def tok():
     from transformers import AutoTokenizer
 
-    from kvq_lab.models import resolve
+    from kvq_lab.models.loading import resolve
 
     return AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
 
@@ -96,7 +96,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     L = 3
     low = costs.bits([2] * L, [2] * L)
     budget = low + 2.0
-    cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 4, 8], "tokens": T}})
+    cfg = {"name": "search", "budget": budget, "choices": [2, 4, 8], "tokens": T}  # the run's precision section
     out = precision.resolve(model3, tok, base, cfg, data_dir, tmp_path)
     kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
     assert kb + vb != [2] * (2 * L)  # room to upgrade was used
@@ -112,7 +112,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
 
 
 def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=simulated", "precision.tokens=64"]
     searched = run(compose(args + ["precision=search", "precision.budget=13.5", "precision.choices=[2,4,8]"]))
@@ -131,7 +131,7 @@ def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
 def test_file_with_other_layer_count_fails_in_one_line(model3, tok, tmp_path):
     path = tmp_path / "p.yaml"
     precision_config.write_file(path, [2, 4], [2, 2], {})
-    cfg = OmegaConf.create({"precision": {"name": "file", "path": str(path)}})
+    cfg = {"name": "file", "path": str(path)}  # the run's precision section
     cache = precision_config.apply_file(cfg, CacheConfig())
     assert [c.key.bits for c in cache.layers] == [2, 4]
     with pytest.raises(ConfigError, match="gives 2 layers but the model has 3") as e:
@@ -186,7 +186,7 @@ def test_not_a_precision_file(tiny_model_dir, tmp_path, data_dir, no_load):
 
 def test_file_run_hashes_by_content(tmp_path):
     """Two files with the same bits are one run; other bits are another."""
-    from kvq_lab.config import config_hash
+    from kvq_lab.run.config import config_hash
 
     a, b, c = (Path(tmp_path) / n for n in ("a.yaml", "b.yaml", "c.yaml"))
     precision_config.write_file(a, [2, 4], [2, 2], {"note": "a"})
@@ -229,7 +229,7 @@ def test_sensitivities_measured_once_per_setting(model3, tok, data_dir, tmp_path
     real = precision.sensitivities
     monkeypatch.setattr(precision, "sensitivities", lambda *a: calls.append(1) or real(*a))
     for budget, axis in ((12.0, "channel"), (14.0, "channel"), (14.0, "token")):
-        cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 8], "tokens": 64}})
+        cfg = {"name": "search", "budget": budget, "choices": [2, 8], "tokens": 64}  # the run's precision section
         base = CacheConfig(key=QuantSpec(2, 32, axis), value=QuantSpec(2, 32, "token"))
         precision.resolve(model3, tok, base, cfg, data_dir, tmp_path, model_id="tiny")
     assert len(calls) == 2
@@ -243,7 +243,7 @@ def test_tail_forward_measures_what_whole_forwards_measure(model3, monkeypatch):
     monkeypatch.setattr(precision._Tail, "logits", lambda self, start, cache: whole(self, cache))
 
     def whole(self, cache):
-        from kvq_lab.models import cache_kwarg
+        from kvq_lab.models.loading import cache_kwarg
 
         return self.model(self.ids, **{cache_kwarg(): cache}).logits[0].float()
 
@@ -263,7 +263,7 @@ def test_smollm2_search_respects_budget(smol, data_dir, tmp_path):
     base = CacheConfig(mode="packed")
     costs = precision.measure_costs(model, base, [2, 8], T)
     budget = costs.bits([2] * 30, [2] * 30) + 1.0
-    cfg = OmegaConf.create({"precision": {"name": "search", "budget": budget, "choices": [2, 8], "tokens": T}})
+    cfg = {"name": "search", "budget": budget, "choices": [2, 8], "tokens": T}  # the run's precision section
     out = precision.resolve(model, tok, base, cfg, data_dir, tmp_path)
     kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
     cache = QuantizedKVCache.for_model(model, out)
@@ -279,9 +279,9 @@ def test_smollm2_search_respects_budget(smol, data_dir, tmp_path):
 
 
 def test_sensitivity_text_is_calibrations(data_dir, tmp_path):
-    """One GSM8K-train reader (kvq_lab.calibration): precision's text is calibration's, byte for byte (so the
+    """One GSM8K-train reader (kvq_lab.fit.calibration): precision's text is calibration's, byte for byte (so the
     sensitivity cache's text hash is the one of the split's parent: 600 Question/Answer rows); source=file differs."""
-    from kvq_lab.calibration import calibration_text
+    from kvq_lab.fit.calibration import calibration_text
 
     s = {"source": "gsm8k_train", "path": None}
     text = precision.sensitivity_text(s, data_dir)

@@ -98,8 +98,8 @@ def _requests(tok):
 def test_lm_wrapper_generates_the_same_with_and_without_reuse(tiny_model_dir, ka, va):
     from transformers import AutoTokenizer
 
-    from kvq_lab.eval.lm import QuantCacheLM
-    from kvq_lab.models import load_model
+    from kvq_lab.lmeval.wrapper import QuantCacheLM
+    from kvq_lab.models.loading import load_model
 
     model, _ = load_model(str(tiny_model_dir))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -120,8 +120,8 @@ def test_lm_wrapper_with_a_wrong_boundary_generates_differently(tiny_model_dir, 
     from transformers import AutoTokenizer
 
     from kvq_lab.cache.simulated import SimulatedLayer
-    from kvq_lab.eval.lm import QuantCacheLM
-    from kvq_lab.models import load_model
+    from kvq_lab.lmeval.wrapper import QuantCacheLM
+    from kvq_lab.models.loading import load_model
 
     model, _ = load_model(str(tiny_model_dir))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -232,8 +232,8 @@ def test_lm_wrapper_batches_with_reuse_as_batch_one(tiny_model_dir, ka, va, monk
     checkpoint serves."""
     from transformers import AutoTokenizer
 
-    from kvq_lab.eval.lm import QuantCacheLM
-    from kvq_lab.models import load_model
+    from kvq_lab.lmeval.wrapper import QuantCacheLM
+    from kvq_lab.models.loading import load_model
 
     model, _ = load_model(str(tiny_model_dir))
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

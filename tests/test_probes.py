@@ -17,7 +17,7 @@ from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import attention, layer_errors, quantize_kv, reference_output
 from kvq_lab.probes.metrics import sparsity, topk_mass
 from kvq_lab.quant.spec import QuantSpec
-from kvq_lab.results import read_table
+from kvq_lab.records.record import read_table
 
 REPO = Path(__file__).resolve().parent.parent
 torch.set_num_threads(1)
@@ -271,7 +271,7 @@ def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama saved with the SmolLM2 tokenizer, loadable by model.path=<folder>."""
     from transformers import AutoTokenizer
 
-    from kvq_lab.models import cache_dir
+    from kvq_lab.models.loading import cache_dir
 
     tok_dir = cache_dir() / "smollm2-135m"
     if not (tok_dir / "tokenizer.json").exists():
@@ -290,7 +290,7 @@ def _compose(*overrides):
 
 
 def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     data = REPO.parent / "shared" / "data"
     if not (data / "coqa" / "coqa-validation.first20.lm_eval.jsonl").exists():
@@ -315,7 +315,7 @@ def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
 
 
 def test_probe_task_rejects_unknown_setting():
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     with pytest.raises(ConfigError, match="n_promtps"):
         validate(_compose("task=probe", "+task.n_promtps=3", "data_dir=null"))
@@ -323,8 +323,8 @@ def test_probe_task_rejects_unknown_setting():
 
 def test_probes_beside_a_task(tiny_model_dir, tmp_path):
     """probe=true: run_probes_for_task measures the task's own prompts and fills metrics and artifacts."""
-    from kvq_lab.config import validate
-    from kvq_lab.models import load_model
+    from kvq_lab.models.loading import load_model
+    from kvq_lab.run.config import validate
     from kvq_lab.tasks import TaskContext
     from kvq_lab.tasks.probe import run_probes_for_task
 
@@ -350,7 +350,7 @@ def test_probes_beside_a_task(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_capture_is_exact_and_16bit_is_zero():
-    from kvq_lab.models import load_model
+    from kvq_lab.models.loading import load_model
 
     model, tok = load_model("smollm2-135m")
     ids = tok("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt").input_ids
@@ -363,7 +363,7 @@ def test_smollm2_capture_is_exact_and_16bit_is_zero():
 
 
 def test_table2_puts_each_axis_in_its_column():
-    from kvq_lab.probes.report import table2
+    from kvq_lab.report.error_geometry import table2
 
     def rec(ka, va, key, value):
         m = {"probe/key/kivi_ratio/mean": key, "probe/value/kivi_ratio/mean": value}
@@ -380,8 +380,8 @@ def test_table2_puts_each_axis_in_its_column():
 
 def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir, tmp_path):
     """probe=true through run(cfg): the task's metric and the probe aggregates land in the same record."""
-    from kvq_lab.plugins import TASKS
-    from kvq_lab.runner import run
+    from kvq_lab.run.plugins import TASKS
+    from kvq_lab.run.runner import run
     from kvq_lab.tasks import Task, register_task
 
     class Dummy(Task):
@@ -411,10 +411,10 @@ def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir,
 
 
 def test_task_registry_import_stays_torch_free():
-    """Config validation imports every task plugin (kvq_lab.plugins): that must not import torch."""
+    """Config validation imports every task plugin (kvq_lab.run.plugins): that must not import torch."""
     import subprocess
     import sys
 
-    code = "import sys, kvq_lab.plugins as p; assert 'probe' in p.TASKS; print('torch' in sys.modules)"
+    code = "import sys, kvq_lab.run.plugins as p; assert 'probe' in p.TASKS; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

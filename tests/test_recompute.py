@@ -166,7 +166,7 @@ def test_config_errors_are_one_line():
 
 
 def test_rank_above_kv_dims_fails_before_load(tiny_model_dir, tmp_path, data_dir, monkeypatch):
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     loads = []
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loads.append(a))
@@ -183,7 +183,7 @@ def test_fused_qkv_model_fails_before_load(tmp_path, data_dir, monkeypatch):
     """A model whose attention has no separate k_proj/v_proj (GPT-2's fused c_attn) is refused from its config."""
     from transformers import GPT2Config
 
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(tmp_path / "gpt2")
     loads = []
@@ -201,7 +201,7 @@ def test_rank_checked_again_when_the_cache_is_built(tiny_model):
 
 def test_run_ppl_end_to_end(tiny_model_dir, tmp_path, data_dir):
     """run(cfg) with mode=recompute: a decode perplexity; 16 bits equals the 16-bit packed cache's (same model)."""
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     base = tiny_args(tiny_model_dir, tmp_path, data_dir)
     rec = run(compose(base + ["mode=recompute", "bits=16"]))
@@ -228,7 +228,7 @@ def test_smollm2_16_bits_equals_dynamic_cache(smol):
 
 
 def test_fitted_methods_refused_before_load(tiny_model_dir, tmp_path, data_dir, monkeypatch):
-    from kvq_lab.config import ConfigError, validate
+    from kvq_lab.run.config import ConfigError, validate
 
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: pytest.fail("loaded"))
     args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=recompute", "format=nuq", "bits=4"]
@@ -265,13 +265,13 @@ def test_triton_takes_power_of_two_widths_only(tiny_model, monkeypatch):
 
 
 def test_rank_is_an_lm_eval_model_arg(tiny_model_dir, monkeypatch):
-    """`--model kvq --model_args ...,mode=recompute,recompute.rank=r` (kvq_lab/lmeval.py) builds run.py's recompute
+    """`--model kvq --model_args ...,mode=recompute,recompute.rank=r` (kvq_lab/lmeval/cli.py) builds run.py's recompute
     cache: at 16 bits and full rank it generates DynamicCache's tokens, at rank 16 it does not; no rank caches X; a
     rank beyond [W_k; W_v]'s, or a rank without mode=recompute, fails in one line before the weights load."""
     from lm_eval.api.registry import get_model
 
-    import kvq_lab.lmeval as kl
-    from kvq_lab.config import ConfigError
+    import kvq_lab.lmeval.cli as kl
+    from kvq_lab.run.config import ConfigError
 
     args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,residual_length=0,backend=torch"
     full = get_model("kvq").create_from_arg_string(args + ",recompute.rank=128")

@@ -224,7 +224,7 @@ def test_coqa_padded_rows_cache_what_they_cache_alone(data_dir, tmp_path, monkey
     differ with a correct cache. The shadow comparison feeds both caches the same numbers instead."""
     from helpers_models import compose
 
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     configs = [sim(kax, vax, S, rope) for kax, vax in AXES for S in (0, 4) for rope in ("post", "pre")]
     shadows = RowShadows(configs, layers=(0, 1, 15, 29))

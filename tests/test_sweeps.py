@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers_models import REPO, compose, run_py, tiny_args
 
-from kvq_lab.results import load_records, write_record
-from kvq_lab.runner import RunFailed, run
+from kvq_lab.records.record import load_records, write_record
+from kvq_lab.run.runner import RunFailed, run
 
 ROWS = ["key_bits=2", "key_bits=3", "key_bits=4"]
 

@@ -14,13 +14,13 @@ import yaml
 from helpers_models import compose, poisoned_model_dir, tiny_args
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.config import ConfigError, validate
-from kvq_lab.eval.harness import TASK_DIR
-from kvq_lab.eval.ppl import decode_nll, make_windows
-from kvq_lab.plugins import TASKS
+from kvq_lab.lmeval.evaluate import TASK_DIR
 from kvq_lab.quant.spec import QuantSpec
-from kvq_lab.results import load_records
-from kvq_lab.runner import RunFailed, run
+from kvq_lab.records.record import load_records
+from kvq_lab.run.config import ConfigError, validate
+from kvq_lab.run.plugins import TASKS
+from kvq_lab.run.runner import RunFailed, run
+from kvq_lab.tasks.decode import decode_nll, make_windows
 
 LM_EVAL_TASKS = Path(lm_eval.__file__).parent / "tasks"
 

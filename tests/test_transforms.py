@@ -23,7 +23,6 @@ from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.rope import RopeHelper
 from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.config import ConfigError, config_hash, validate
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
@@ -31,6 +30,7 @@ from kvq_lab.probes.settings import ProbeSettings
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.quant.transforms import TRANSFORMS, get_transform
 from kvq_lab.quant.transforms.hadamard import fwht
+from kvq_lab.run.config import ConfigError, config_hash, validate
 
 OPTIONS = ["hadamard:16"]  # spellings with an option, beside every registered name
 # fitted transforms (innerq, rotatekv) by an instance fitted on synthetic keys: their bare spelling has no parameters
@@ -328,7 +328,7 @@ def test_bad_transform_settings_fail_in_one_line_before_load(overrides, message,
     ids=["packed", "simulated+probe"],
 )
 def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):
-    from kvq_lab.runner import run
+    from kvq_lab.run.runner import run
 
     probes = ["probes.n_prompts=1", "probes.max_tokens=32", "probes.figures=false"]
     m = run(compose(tiny_args(tiny_model_dir, tmp_path, data_dir) + ["key_transform=hadamard", *extra, *probes]))

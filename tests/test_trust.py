@@ -17,9 +17,10 @@ import pytest
 import torch
 from helpers_models import REPO, compose, tiny_args
 
-from kvq_lab.config import ConfigError, validate
-from kvq_lab.results import RECORD, Claim, load_records, write_record
-from kvq_lab.runner import run
+from kvq_lab.records.claims import Claim
+from kvq_lab.records.record import RECORD, load_records, write_record
+from kvq_lab.run.config import ConfigError, validate
+from kvq_lab.run.runner import run
 
 COQA = "coqa/coqa-validation.first20.lm_eval.jsonl"
 
@@ -62,7 +63,7 @@ def test_changed_data_reruns_and_the_record_says_what_it_read(tiny_model_dir, da
 
 
 def test_changed_code_reruns(tiny_model_dir, data_dir, tmp_path, monkeypatch, capsys):
-    import kvq_lab.provenance as prov
+    import kvq_lab.records.provenance as prov
 
     args = tiny_args(tiny_model_dir, tmp_path, data_dir)
     run(compose(args))
@@ -72,7 +73,7 @@ def test_changed_code_reruns(tiny_model_dir, data_dir, tmp_path, monkeypatch, ca
 
 
 def test_code_version_hashes_the_sources_not_git(tmp_path):
-    from kvq_lab.provenance import PACKAGE, code_version
+    from kvq_lab.records.provenance import PACKAGE, code_version
 
     copy = tmp_path / "pkg"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -85,7 +86,7 @@ def test_code_version_hashes_the_sources_not_git(tmp_path):
 
 
 def test_model_identity_follows_the_weights(tiny_model_dir, tmp_path):
-    from kvq_lab.provenance import model_identity
+    from kvq_lab.records.provenance import model_identity
 
     copy = tmp_path / "m"
     shutil.copytree(tiny_model_dir, copy)
@@ -96,7 +97,7 @@ def test_model_identity_follows_the_weights(tiny_model_dir, tmp_path):
 
 
 def test_dirty_tree_records_are_not_reused_unless_asked(tiny_model_dir, data_dir, tmp_path, monkeypatch, capsys):
-    import kvq_lab.results as results
+    import kvq_lab.records.environment as results
 
     args = [a for a in tiny_args(tiny_model_dir, tmp_path, data_dir) if not a.startswith("resume_dirty")]
     monkeypatch.setattr(results, "git_hash", lambda: "abc123-dirty")
@@ -250,7 +251,7 @@ def _bad_inputs(tmp: Path, data_dir: Path) -> list[tuple[list[str], str]]:
 
 
 def test_every_bad_input_fails_before_load_with_one_line(data_dir, tmp_path, monkeypatch):
-    import kvq_lab.models as models
+    import kvq_lab.models.loading as models
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded for a bad input")
@@ -288,7 +289,7 @@ def test_rejected_config_leaves_no_folder_behind(data_dir, tmp_path):
 
 def test_generate_gets_the_cache_under_the_installed_name(tiny_model):
     from kvq_lab.cache import CacheConfig, QuantizedKVCache
-    from kvq_lab.models import cache_kwarg
+    from kvq_lab.models.loading import cache_kwarg
 
     ids = torch.randint(3, 200, (1, 12))
     with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """Decode perplexity of the packed cache through each backend (the records in runs/), as a bar chart.
 
-    python experiments/backend_agreement/figure.py      # writes experiments/backend_agreement/backends.png
+python experiments/backend_agreement/figure.py      # writes experiments/backend_agreement/backends.png
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-from kvq_lab.index import query  # noqa: E402
+from kvq_lab.records.index import query  # noqa: E402
 
 
 def main() -> None:

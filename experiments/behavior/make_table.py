@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvq_lab.results import load_records
+from kvq_lab.records.record import load_records
 
 HERE = Path(__file__).parent
 COLS = ("refusal_rate", "ref_refusal_rate", "refusal_flips", "identical", "prefix_tokens", "rouge_l")

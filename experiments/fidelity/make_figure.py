@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvq_lab.results import load_records
+from kvq_lab.records.record import load_records
 
 HERE = Path(__file__).parent
 KEYS = ("kl_mean", "kl_p99", "top1_agree", "kl_first", "kl_last", "top1_first", "top1_last", "ppl", "ref_ppl")

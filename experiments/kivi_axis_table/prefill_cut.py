@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
-from kvq_lab.models import cache_kwarg, load_model  # noqa: E402
+from kvq_lab.models.loading import cache_kwarg, load_model  # noqa: E402
 from kvq_lab.quant import QuantSpec  # noqa: E402
 from kvq_lab.quant.reference import dequantize, quantize, step_size  # noqa: E402
 

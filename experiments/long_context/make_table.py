@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from kvq_lab.results import load_records
+from kvq_lab.records.record import load_records
 
 HERE = Path(__file__).parent
 

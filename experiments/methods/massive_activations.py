@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kvq_lab.eval.ppl import make_windows
-from kvq_lab.eval.text import source_text
-from kvq_lab.models import load_model
+from kvq_lab.models.loading import load_model
+from kvq_lab.tasks.decode import make_windows
+from kvq_lab.tasks.text import source_text
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -3,7 +3,7 @@
 Rows: one per cache (uniform b-bit, or a searched per-layer assignment), with decode ppl (the full task, 4 windows x
 512 scored tokens, and the quick version's 4 x 256, each where run), CoQA-turns F1 (when run),
 mean key/value code bits, and stored bits per K/V element counted as the search counts them
-(`kvq_lab.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
+(`kvq_lab.fit.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
 per-layer key and value bits of each searched row (per_layer_bits.png).
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from kvq_lab import precision  # noqa: E402
 from kvq_lab.cache.config import CacheConfig  # noqa: E402
+from kvq_lab.fit import precision  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
-from kvq_lab.report import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.tables import mean_se, paired_difference  # noqa: E402
 
 
 def records():
@@ -61,7 +61,7 @@ def spec(d) -> QuantSpec:
 
 
 def main() -> None:
-    from kvq_lab.models import load_model
+    from kvq_lab.models.loading import load_model
 
     model, _ = load_model("smollm2-135m")
     rows: dict[tuple, dict] = {}

@@ -20,7 +20,7 @@ def main() -> None:
     import torch
 
     from kvq_lab.cache import CacheConfig, QuantizedKVCache
-    from kvq_lab.models import cache_kwarg, load_model
+    from kvq_lab.models.loading import cache_kwarg, load_model
     from kvq_lab.quant.spec import QuantSpec
 
     ap = argparse.ArgumentParser()

@@ -10,7 +10,7 @@ Names resolve lazily so that config validation (which needs only `CacheConfig`) 
 transformers.
 """
 
-from kvq_lab._lazy import lazy_getattr
+from kvq_lab.common.lazy import lazy_getattr
 
 _EXPORTS = {
     "CacheConfig": "config",

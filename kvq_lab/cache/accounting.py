@@ -1,6 +1,6 @@
 """Bits per element of everything a cache config stores, so methods compare at equal memory.
 
-`cache/bits*` (`kvq_lab.runner.cache_bits`) is the format's own cost: codes + per-group parameters. The totals here
+`cache/bits*` (`kvq_lab.run.runner.cache_bits`) is the format's own cost: codes + per-group parameters. The totals here
 add what the methods of issue 10 store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
 
     exact tokens     sink_tokens, plus residual_length in packed mode (the window: R tokens at its fullest), 16 bits
@@ -49,9 +49,10 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     return bits / n_tokens + per_layer / (heads * n_tokens * head_dim)
 
 
-def stored_bits(cache: CacheConfig, cfg=None, model_config=None) -> dict[str, float]:
-    """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`."""
-    t = (cfg.get("task") or {}) if cfg is not None else {}
+def stored_bits(cache: CacheConfig, task=None, model_config=None) -> dict[str, float]:
+    """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`.
+    `task`: the run's task section (task=ppl: its window length is the sequence length)."""
+    t = task or {}
     n = int(t["context_tokens"]) + int(t["eval_tokens"]) if t.get("name") == "ppl" else DEFAULT_TOKENS
     heads, head_dim, n_layers = 1, 64, max(1, len(cache.layers))
     if model_config is not None:

@@ -97,7 +97,7 @@ class QuantizedLayerBase(DynamicLayer):
         them alone, is what it sees of them when given the whole prompt. Then a prefill in two pieces cut at m
         computes what one prefill computes (every token's attention reads the same keys and values) and the layer
         ends up the same: a cache filled with m tokens may be checkpointed and reused for longer prompts that share
-        them (`kvq_lab.eval.lm`). 0 (only the empty prefix) by default, for layers whose state depends on where a
+        them (`kvq_lab.lmeval.wrapper`). 0 (only the empty prefix) by default, for layers whose state depends on where a
         prompt is cut (the packed cache quantizes its prefill once, in whole groups, and keeps a window exact)."""
         return 0
 

@@ -48,7 +48,7 @@ class CacheConfig:
     key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
         per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5).
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
-    layers: one config per decoder layer, fitted by calibration (`kvq_lab.calibration`: nuq codebooks as lut specs,
+    layers: one config per decoder layer, fitted by calibration (`kvq_lab.fit.calibration`: nuq codebooks as lut specs,
         fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
     """
 

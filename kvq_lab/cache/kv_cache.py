@@ -106,7 +106,7 @@ class QuantizedKVCache(Cache):
         """Put the single prompt `row` (filled, unpadded, batch 1) into batch row `slot` of this stacked cache, in place
         of the row there (a finished generation): left-padded to the batch's length, or, where it is longer, every
         other row padded further on the left. It decodes on as it would alone, as after `stack`; the others as
-        before. Continuous batching (`kvq_lab.eval.lm`) keeps the batch full with it. The row is consumed."""
+        before. Continuous batching (`kvq_lab.lmeval.wrapper`) keeps the batch full with it. The row is consumed."""
         B, T, n = self.layers[0].keys.shape[0], self.get_seq_length(), row.get_seq_length()
         if not 0 <= slot < B:
             raise ValueError(f"slot {slot} is not a row of this batch of {B}")

@@ -22,7 +22,7 @@ Decode cost: the layer keeps what attention saw at the previous step in a buffer
 (`FakeQuantStream.tail`: the new token, or the per-channel group it joins); exact tensors grow in place (`Growing`).
 `update` returns views of those buffers, valid until the next update (as a static cache's tensors).
 `SimulatedLayer.stack` joins caches of single prompts into one left-padded batch that decodes as the rows would alone
-(`kvq_lab.eval.lm` batches prefix reuse with it).
+(`kvq_lab.lmeval.wrapper` batches prefix reuse with it).
 
 Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the stream runs on the transformed
 tensor T(x) (kept beside the exact one, with the tokens' positions where a transform reads them), and attention sees

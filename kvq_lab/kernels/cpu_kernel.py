@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kvq_lab import integrity
+from kvq_lab.common import integrity
 from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
 from kvq_lab.quant.pack import BLOCK, word_layout
 

@@ -10,7 +10,7 @@ key/value quantizer pair, per layer and head, in several definitions side by sid
 (task=probe and probe=true live with the other tasks: kvq_lab/tasks/probe.py)
 """
 
-from kvq_lab._lazy import lazy_getattr
+from kvq_lab.common.lazy import lazy_getattr
 
 # Names resolve lazily (as kvq_lab.quant and kvq_lab.cache): config validation imports kvq_lab.probes.settings
 # (through kvq_lab.tasks.probe), which must not pay for torch.

@@ -6,7 +6,7 @@ accelerate this arithmetic live one layer up, in `kvq_lab.kernels`, and are test
 Names resolve lazily so that config validation (which needs only `QuantSpec`) does not import torch.
 """
 
-from kvq_lab._lazy import lazy_getattr
+from kvq_lab.common.lazy import lazy_getattr
 
 _EXPORTS = {
     "AXES": "spec",

@@ -71,7 +71,7 @@ class Outliers:
             if self.thresholds is None:
                 raise QuantConfigError(
                     "key_outliers needs per-channel thresholds fitted on calibration data (run.py fits them; a cache "
-                    "built by hand needs a CacheConfig from kvq_lab.calibration.calibrate)"
+                    "built by hand needs a CacheConfig from kvq_lab.fit.calibration.calibrate)"
                 )
             t = torch.tensor(self.thresholds, dtype=torch.float32, device=x.device)
             if t.numel() % D or H % (t.numel() // D):

@@ -2,7 +2,7 @@
 
 A spec says *what* (bits, group size, grouping axis, code format); `kvq_lab.quant.reference` says *how* (the
 grouping, and the format's arithmetic from `kvq_lab.quant.formats`), and kernels accelerate the same arithmetic.
-This module imports nothing: config validation reads it without torch.
+This module imports nothing heavy: config validation reads it without torch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from kvq_lab.common.errors import QuantConfigError  # noqa: F401  (raised here; re-exported for callers)
+
 AXES = ("token", "channel")
 BITS = (1, 2, 3, 4, 8, 16)
 # 16 means "no quantization": the identity quantizer, used as the exact oracle in tests.
@@ -18,10 +20,6 @@ IDENTITY_BITS = 16
 DEFAULT_FORMAT = "int"
 DEFAULT_BITS = 2  # int's width when none is given (`key_bits: null`); config validation reads it without torch
 _FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]*")
-
-
-class QuantConfigError(ValueError):
-    """A quantization setting is out of range. The message names the setting, its value and the fix."""
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ A task checks its inputs cheaply (`check`, before any model load: its options, i
 files it reads, or the hub datasets it would download), and produces flat metrics (`run`).
 
 Adding a task: one module in this package that defines a `Task` subclass and calls `register_task(...)`, one line
-in `kvq_lab/plugins.py` importing that module, and `conf/task/<name>.yaml` holding `name: <name>` and its options
+in `kvq_lab/run/plugins.py` importing that module, and `conf/task/<name>.yaml` holding `name: <name>` and its options
 (each option also listed in the task's `options`, so a typo such as `+task.windws=2` is rejected). The registry
-imports none of its plugins (kvq_lab/plugins.py assembles them); it must stay free of torch so that validation is
+imports none of its plugins (kvq_lab/run/plugins.py assembles them); it must stay free of torch so that validation is
 fast.
 """
 
@@ -19,11 +19,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from kvq_lab.common.errors import ConfigError
 
-from kvq_lab.errors import ConfigError
+if TYPE_CHECKING:  # the runner builds it; tasks only read it
+    from kvq_lab.run.config import RunConfig
 
 
 @dataclass
@@ -45,13 +46,24 @@ class TaskContext:
     model: Any
     tokenizer: Any
     make_cache: Callable[[], Any]
-    cfg: DictConfig
+    cfg: RunConfig
     run_dir: Path
     data_dir: Path | None
     limit: int | None
     cache_config: Any = None  # the run's CacheConfig (what make_cache builds), for tasks that quantize themselves
     artifacts: dict[str, Any] = field(default_factory=dict)  # extra outputs (tables, figures) for the record/W&B
     progress: Progress = field(default_factory=Progress)
+
+    def counted_caches(self, unit: str = "generate calls") -> Callable[[], Any]:
+        """`make_cache`, counting each cache it makes (one per generate call) as progress, for an interrupted run's
+        record."""
+        self.progress.unit = unit
+
+        def make():
+            self.progress.done += 1
+            return self.make_cache()
+
+        return make
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,7 +146,7 @@ class Task:
         """Documents `limit` selects from, given the parsed rows of each data file (None: no bound to check)."""
         return None
 
-    def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
+    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         unknown = sorted(set(cfg.task.keys()) - set(self.options))
         if unknown:
             raise ConfigError(
@@ -144,14 +156,14 @@ class Task:
             return
         rows = {f.rel: read_data_file(data_dir, f)[0] for f in self.data}
         n = self.count_docs(rows)
-        limit = cfg.get("limit")
+        limit = cfg.limit
         if n is not None and isinstance(limit, int) and not isinstance(limit, bool) and limit > n:
             raise ConfigError(
                 f"limit={limit} but task={self.name} has {n} {self.limit_unit} under data_dir={data_dir}; "
                 f"use limit<={n} or limit=null (all)"
             )
 
-    def inputs(self, cfg: DictConfig, data_dir: Path | None) -> dict[str, Any]:
+    def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         """What the task's numbers are computed from: content hashes of the data files, or the hub datasets."""
         if data_dir is None:
             return {"source": "hub", "datasets": list(self.hub), "revision": None}

@@ -1,11 +1,151 @@
-"""`task=fidelity`: KL divergence and top-1 agreement of the cache's next-token distributions against the 16-bit
-model's own, along a teacher-forced decode (kvq_lab/eval/fidelity.py). Same windows, text sources and checks as
-`task=ppl`; options in conf/task/fidelity.yaml."""
+"""Fidelity along the generation: the quantized cache's next-token distributions against the 16-bit model's own.
+
+Same windows and the same teacher-forced decode as decode-mode perplexity (kvq_lab/tasks/decode.py: prefill the
+context, then feed the true tokens one at a time through the cache), run twice: once with an exact `DynamicCache`
+(the reference, memoized per model + token ids + prefill mode within the process, so a sweep over caches computes
+it once) and once through the run's cache. At every scored position t (decode step t of window b):
+
+    KL_t = sum_v p_ref(v) * (log p_ref(v) - log p_q(v))      (KL(reference || quantized), nats)
+    top1_t = [argmax p_ref == argmax p_q]
+
+Metrics: `fidelity/kl_mean`, `fidelity/kl_p99` (over all scored tokens), `fidelity/top1_agree` (fraction), the same
+over the first and the last quarter of decode positions (`kl_first`, `kl_last`, `top1_first`, `top1_last`: does the
+error grow with generation length?), and the perplexities of both (`fidelity/ppl`, `fidelity/ref_ppl`). The curve
+over decode position (mean over windows, in bins) goes to the record's artifacts and `fidelity_curve.png`.
+
+`task=fidelity` takes the windows, text sources and checks of `task=ppl`; options in conf/task/fidelity.yaml.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvq_lab.tasks.text import source_text
+
 from . import TaskContext, register_task
 from .ppl import PplTask
+
+if TYPE_CHECKING:  # torch loads when the task runs, not when validation imports the task registry
+    import torch
+
+CURVE_BINS = 16
+_REFERENCE: dict[tuple, object] = {}  # one entry: (model, ids, prefill) -> log-probs [B, N, V]
+
+
+def reference_logprobs(model, windows: torch.Tensor, context: int, exact_prefill: bool, progress=None) -> torch.Tensor:
+    """The 16-bit model's log-probs [B, N, V] at every scored position (exact DynamicCache), memoized."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvq_lab.tasks.decode import teacher_forced_logits
+
+    key = (id(model), model.name_or_path, hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), context,
+           exact_prefill)  # fmt: skip
+    if key not in _REFERENCE:
+        _REFERENCE.clear()  # one text at a time: [B, N, V] fp32 is hundreds of MB
+        steps = []
+        for step, logits in teacher_forced_logits(model, DynamicCache(), windows, context, exact_prefill):
+            steps.append(torch.log_softmax(logits, dim=-1))
+            if progress is not None:
+                progress.done = step + 1
+        _REFERENCE[key] = torch.stack(steps, dim=1)
+    return _REFERENCE[key]
+
+
+def compare(ref_logp: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log-probs [..., V] of the reference and the quantized model -> (KL(ref || q) [...], top-1 agreement [...]
+    as bool). Identical inputs give exactly 0 and True."""
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)
+    return kl, ref_logp.argmax(dim=-1) == logp.argmax(dim=-1)
+
+
+def curve(per_position: torch.Tensor, bins: int = CURVE_BINS) -> tuple[list[float], list[float]]:
+    """[N] values per decode position -> (bin centres, bin means) over `bins` near-equal consecutive bins."""
+    n = per_position.numel()
+    edges = [round(i * n / min(bins, n)) for i in range(min(bins, n) + 1)]
+    centres = [(a + b - 1) / 2 for a, b in zip(edges, edges[1:], strict=False)]
+    means = [float(per_position[a:b].mean()) for a, b in zip(edges, edges[1:], strict=False)]
+    return centres, means
+
+
+def save_curve_png(path: Path, positions: list[float], kl: list[float], top1: list[float], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.plot(positions, kl, marker="o")
+    a.set(xlabel="decode position", ylabel="KL(16-bit || cache), nats", title="KL")
+    b.plot(positions, top1, marker="o", color="C1")
+    b.set(xlabel="decode position", ylabel="top-1 agreement", title="top-1 agreement", ylim=(0, 1.02))
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_fidelity(ctx) -> dict[str, float]:
+    """Task entry point (see the module docstring)."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvq_lab.tasks.decode import make_windows, teacher_forced_logits
+
+    t = ctx.cfg.task
+    context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
+    windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
+    ids = ctx.tokenizer(source_text(t, ctx.data_dir), add_special_tokens=False)["input_ids"]
+    batch = make_windows(ids, context, eval_tokens, windows).to(ctx.model.device)
+    exact = str(t.prefill) == "exact"
+    ctx.progress.unit, ctx.progress.total = "reference decode steps", eval_tokens
+    ref = reference_logprobs(ctx.model, batch, context, exact, progress=ctx.progress)
+    ctx.progress.unit, ctx.progress.done = "decode steps", 0
+    cache = ctx.make_cache() or DynamicCache()
+    kl = torch.empty(windows, eval_tokens)
+    agree = torch.empty(windows, eval_tokens, dtype=torch.bool)
+    nll = torch.empty(windows, eval_tokens)
+    for step, logits in teacher_forced_logits(ctx.model, cache, batch, context, exact):
+        logp = torch.log_softmax(logits, dim=-1)
+        kl[:, step], agree[:, step] = compare(ref[:, step], logp)
+        nll[:, step] = -logp.gather(1, batch[:, context + step, None])[:, 0]
+        ctx.progress.done = step + 1
+    ref_nll = -ref.gather(2, batch[:, context:, None])[..., 0]
+    q = max(1, eval_tokens // 4)
+    pos_kl, pos_top1 = kl.mean(dim=0), agree.float().mean(dim=0)
+    centres, kl_bins = curve(pos_kl)
+    _, top1_bins = curve(pos_top1)
+    ctx.artifacts["fidelity_curve"] = {
+        "position": centres,
+        "kl_mean": [round(x, 6) for x in kl_bins],
+        "top1_agree": [round(x, 4) for x in top1_bins],
+    }
+    ctx.artifacts["fidelity_by_position"] = {
+        "kl_mean": [round(float(x), 6) for x in pos_kl],
+        "top1_agree": [round(float(x), 4) for x in pos_top1],
+    }
+    if ctx.run_dir is not None:
+        title = ctx.cache_config.label() if ctx.cache_config is not None else "cache"
+        png = Path(ctx.run_dir) / "fidelity_curve.png"
+        save_curve_png(png, centres, kl_bins, top1_bins, title)
+        ctx.artifacts["fidelity_figures"] = [png.name]
+        ctx.artifacts["wandb_images"] = {"fidelity/curve": str(png)}
+    return {
+        "fidelity/kl_mean": float(kl.mean()),
+        "fidelity/kl_p99": float(torch.quantile(kl.flatten().double(), 0.99)),
+        "fidelity/top1_agree": float(agree.float().mean()),
+        "fidelity/kl_first": float(kl[:, :q].mean()),
+        "fidelity/kl_last": float(kl[:, -q:].mean()),
+        "fidelity/top1_first": float(agree[:, :q].float().mean()),
+        "fidelity/top1_last": float(agree[:, -q:].float().mean()),
+        "fidelity/ppl": math.exp(float(nll.mean())),
+        "fidelity/ref_ppl": math.exp(float(ref_nll.mean())),
+        "fidelity/n_tokens": int(kl.numel()),
+        "fidelity/windows": windows,
+    }
 
 
 class FidelityTask(PplTask):
@@ -14,8 +154,6 @@ class FidelityTask(PplTask):
     name = "fidelity"
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.eval.fidelity import run_fidelity
-
         return run_fidelity(ctx)
 
 

@@ -1,6 +1,6 @@
-"""`task=ppl`: decode-mode perplexity through the cache (kvq_lab/eval/ppl.py); options in conf/task/ppl.yaml.
+"""`task=ppl`: decode-mode perplexity through the cache (kvq_lab/tasks/decode.py); options in conf/task/ppl.yaml.
 
-The text comes from `task.source` (kvq_lab/eval/text.py): the CoQA stories, any UTF-8 file (`task.path`), or a hub
+The text comes from `task.source` (kvq_lab/tasks/text.py): the CoQA stories, any UTF-8 file (`task.path`), or a hub
 dataset (`task.dataset`, `task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
 text too short for the windows are caught here, before the model loads.
 """
@@ -8,16 +8,17 @@ text too short for the windows are caught here, before the model loads.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
-from kvq_lab.errors import ConfigError
-from kvq_lab.eval.text import OPTIONS as SOURCE_OPTIONS
-from kvq_lab.eval.text import source_inputs
+from kvq_lab.common.errors import ConfigError
+from kvq_lab.tasks.text import OPTIONS as SOURCE_OPTIONS
+from kvq_lab.tasks.text import source_inputs
 
 from . import Task, TaskContext, register_task
-from .harness import COQA_DATA, COQA_HUB
+from .datasets import COQA_DATA, COQA_HUB
+
+if TYPE_CHECKING:  # the runner builds it; tasks only read it
+    from kvq_lab.run.config import RunConfig
 
 
 class PplTask(Task):
@@ -29,8 +30,8 @@ class PplTask(Task):
     hub = (COQA_HUB,)
     limit_unit = "windows"
 
-    def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
-        from kvq_lab.eval.ppl import check_options
+    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
+        from kvq_lab.tasks.decode import check_options
 
         coqa = cfg.task.get("source") == "coqa_stories"
         super().check(cfg, data_dir if coqa else None)  # options; the CoQA file only when it is the source
@@ -40,7 +41,7 @@ class PplTask(Task):
             raise ConfigError(str(e)) from None
         n = _source_tokens(cfg, data_dir)
         t = cfg.task
-        windows = min(t.windows, cfg.limit) if cfg.get("limit") else t.windows
+        windows = min(t.windows, cfg.limit) if cfg.limit else t.windows
         need = windows * (t.context_tokens + t.eval_tokens)
         if n is not None and n < need:
             raise ConfigError(
@@ -49,11 +50,11 @@ class PplTask(Task):
                 "task.eval_tokens, or give a longer text"
             )
 
-    def inputs(self, cfg: DictConfig, data_dir: Path | None) -> dict[str, Any]:
+    def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         return source_inputs(cfg.task, data_dir)
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.eval.ppl import run_ppl
+        from kvq_lab.tasks.decode import run_ppl
 
         return run_ppl(ctx)
 
@@ -66,14 +67,14 @@ def _describe(t) -> str:
     return "CoQA stories"
 
 
-def _source_tokens(cfg: DictConfig, data_dir: Path | None) -> int | None:
+def _source_tokens(cfg: RunConfig, data_dir: Path | None) -> int | None:
     """Tokens in the source text with the run's tokenizer, when the model is a local folder: checks a too-short text
     before the model loads. None when the tokenizer would need a download or a GGUF conversion, or the CoQA stories
     would come from the hub. A hub source (`hf`) is loaded here: the run would load it next anyway."""
-    from kvq_lab.models import resolve
+    from kvq_lab.models.loading import resolve
 
     try:
-        src = Path(resolve(str(cfg.model.get("path") or cfg.model.get("name"))))
+        src = Path(resolve(cfg.model_source))
     except FileNotFoundError:
         return None
     t = cfg.task
@@ -83,7 +84,7 @@ def _source_tokens(cfg: DictConfig, data_dir: Path | None) -> int | None:
     if key not in _TOKENS:
         from transformers import AutoTokenizer
 
-        from kvq_lab.eval.text import source_text
+        from kvq_lab.tasks.text import source_text
 
         try:
             text = source_text(t, data_dir)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from kvq_lab.errors import ConfigError
+from kvq_lab.common.errors import ConfigError
 from kvq_lab.probes.settings import ProbeSettings
 
 from . import Task, TaskContext, read_data_file, register_task
-from .harness import COQA_DATA, COQA_HUB
+from .datasets import COQA_DATA, COQA_HUB, coqa_prompt, load_coqa
 
 log = logging.getLogger("kvq_lab")
 
@@ -25,8 +23,6 @@ def _coqa_docs(data_dir: Path | None, n: int) -> list[dict]:
     if data_dir is not None:
         docs = read_data_file(data_dir, COQA_DATA)[0]
     else:  # the hub copy, as the coqa task does without a data dir
-        from kvq_lab.eval.tasks.coqa.utils import load_coqa
-
         docs = list(load_coqa()["validation"])
     return docs[:n]
 
@@ -38,9 +34,7 @@ def coqa_stories(data_dir: Path | None, n: int) -> list[str]:
 
 def coqa_task_prompts(data_dir: Path | None, n: int) -> list[str]:
     """The prompts the coqa tasks generate from: story + Q/A turns up to the last question (lm-eval's coqa)."""
-    from kvq_lab.eval.tasks.coqa.utils import doc_to_text
-
-    return [doc_to_text(d) for d in _coqa_docs(data_dir, n)]
+    return [coqa_prompt(d) for d in _coqa_docs(data_dir, n)]
 
 
 SOURCES = {"coqa": coqa_stories}
@@ -49,12 +43,12 @@ TASK_PROMPTS = {"coqa": coqa_task_prompts, "coqa_turns": coqa_task_prompts}
 
 
 def _settings(d) -> ProbeSettings:
-    return ProbeSettings.from_dict(OmegaConf.to_container(d, resolve=True) if OmegaConf.is_config(d) else d)
+    return ProbeSettings.from_dict(d.to_dict() if hasattr(d, "to_dict") else dict(d))
 
 
 def _measure(ctx: TaskContext, cache, prompts: list[str], settings: ProbeSettings, keep: str) -> dict[str, float]:
     from kvq_lab.probes.probe import probe_model, tokenize  # torch and transformers: only once a run starts
-    from kvq_lab.probes.report import artifacts, flat_metrics
+    from kvq_lab.probes.results import artifacts, flat_metrics
 
     ids = tokenize(ctx.tokenizer, prompts, settings.max_tokens, keep=keep)
     res = probe_model(ctx.model, ids, cache, settings)
@@ -104,7 +98,7 @@ def run_probes_for_task(ctx: TaskContext) -> dict[str, float]:
     task = ctx.cfg.task.name
     if task == ProbeTask.name:
         return {}
-    s = _settings(ctx.cfg.get("probes") or {})
+    s = ctx.cfg.probes or _settings({})
     source = TASK_PROMPTS.get(task)
     if source is None:
         log.warning("probe=true: task %s has no probe prompt source; probing CoQA stories instead", task)

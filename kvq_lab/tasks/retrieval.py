@@ -1,18 +1,286 @@
-"""`task=retrieval`: synthetic long-context retrieval (passkey, needle, variable tracking), generated from a seed,
-answered by greedy generation through the cache (kvq_lab/eval/retrieval.py); options in conf/task/retrieval.yaml."""
+"""Synthetic long-context retrieval (RULER-style), generated locally from a seed, answered through the cache.
+
+Three kinds of sample, each a haystack of filler text of a chosen token length with something hidden in it:
+
+- `passkey` (Mohtashami & Jaggi 2023; RULER's niah with noise): the filler is the repeated noise paragraph
+  "The grass is green. The sky is blue. ...", and "The pass key is 71432. Remember it. 71432 is the pass key." is
+  inserted at `depth`; the question asks for the pass key.
+- `needle` (RULER niah_single_2): the filler is seeded random sentences over a small vocabulary (varied text, no
+  digits), the needle "One of the special magic numbers for <key> is: <7 digits>." is inserted at `depth`; the
+  question names the key.
+- `variable_tracking` (RULER vt, one chain, answer form changed): "VAR ABCDE = 40213." at `depth`, then
+  "VAR FGHIJ = VAR ABCDE." later in the noise filler; the question asks for the value of the last variable
+  (RULER asks for every variable holding the value; a single number keeps the scoring exact-match for all kinds).
+
+The prompt (chat template of the model, as an instruct model is used) is: user turn = instruction, blank line, the
+haystack, blank line, the question; then the assistant turn is opened with an answer prefix ("The pass key is")
+so the first generated tokens are the answer. `context_tokens` is the whole budget, prompt plus
+`max_new_tokens`; the haystack is filled until the tokenized prompt is as long as the budget allows.
+
+Score: exact match of the first run of digits in the response with the answer (`score`). Everything here is plain
+Python over a tokenizer; generation is `run_retrieval`.
+
+Options of `task=retrieval` in conf/task/retrieval.yaml.
+"""
 
 from __future__ import annotations
 
-import json
+import math
+import random
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
-
-from kvq_lab.errors import ConfigError
-from kvq_lab.eval.retrieval import KINDS
+from kvq_lab.common.errors import ConfigError
 
 from . import Task, TaskContext, register_task
+
+if TYPE_CHECKING:  # the runner builds it; tasks only read it
+    from kvq_lab.run.config import RunConfig
+
+KINDS = ("passkey", "needle", "variable_tracking")
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+INSTRUCTION = {
+    "passkey": "There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+    "memorize it. I will quiz you about the important information there.",
+    "needle": "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will "
+    "quiz you about the numbers afterwards.",
+    "variable_tracking": "Memorize and track the chain of variable assignments hidden in the following text.",
+}
+
+# needle filler: seeded sentences over a small vocabulary (no digits, so the only number is the needle's)
+_ADJ = "quiet bright old small green heavy gentle distant narrow golden wooden sleepy busy empty warm".split()
+_NOUN = "river garden village teacher window mountain library farmer bridge forest market lantern kitten road".split()
+_VERB = "watched followed crossed painted visited remembered found carried passed opened".split()
+_PLACE = "the harbor|the old mill|the hill|the station|the square|the orchard|the lake|the school".split("|")
+_KEYS = "apple tiger violin comet saddle harbor pepper marble falcon walnut cactus anchor velvet thistle".split()
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One retrieval prompt: `prompt` is the text given to the model (chat template applied), `answer` the digits
+    to find, `depth` where the hidden fact sits (0 = start of the haystack, 1 = end), `n_tokens` the prompt's
+    length in tokens."""
+
+    kind: str
+    prompt: str
+    answer: str
+    depth: float
+    n_tokens: int
+
+
+def _digits(rng: random.Random, n: int) -> str:
+    return str(rng.randrange(10 ** (n - 1), 10**n))
+
+
+def _var(rng: random.Random) -> str:
+    return "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+
+
+def _filler_sentence(kind: str, rng: random.Random) -> str:
+    if kind == "needle":
+        a, b = rng.sample(_ADJ, 2)
+        n1, n2 = rng.sample(_NOUN, 2)
+        return f"The {a} {n1} {rng.choice(_VERB)} the {b} {n2} near {rng.choice(_PLACE)}."
+    return NOISE
+
+
+def _hidden(kind: str, rng: random.Random) -> tuple[list[str], str, str, str]:
+    """-> (statements to hide, in order; question; answer prefix; answer)."""
+    if kind == "passkey":
+        key = _digits(rng, 5)
+        fact = f"The pass key is {key}. Remember it. {key} is the pass key."
+        return [fact], "What is the pass key?", "The pass key is", key
+    if kind == "needle":
+        key, value = rng.choice(_KEYS), _digits(rng, 7)
+        fact = f"One of the special magic numbers for {key} is: {value}."
+        question = f"What is the special magic number for {key} mentioned in the provided text?"
+        return [fact], question, f"The special magic number for {key} mentioned in the provided text is", value
+    if kind == "variable_tracking":
+        a, b = _var(rng), _var(rng)
+        while b == a:
+            b = _var(rng)
+        value = _digits(rng, 5)
+        question = f"What is the value of VAR {b}? Follow the chain of assignments."
+        return [f"VAR {a} = {value}.", f"VAR {b} = VAR {a}."], question, f"The value of VAR {b} is", value
+    raise ValueError(f"task.kind={kind!r}; choose one of: {', '.join(KINDS)}")
+
+
+def _assemble(tokenizer, kind: str, filler: list[str], hidden: list[str], at: list[int], question: str, prefix: str):
+    parts = list(filler)
+    for i, stmt in sorted(zip(at, hidden, strict=True), key=lambda x: x[0], reverse=True):
+        parts.insert(i, stmt)
+    user = f"{INSTRUCTION[kind]}\n\n{' '.join(parts)}\n\n{question}"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    return text + prefix
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def make_sample(tokenizer, kind: str, budget: int, depth: float, rng: random.Random) -> Sample:
+    """A prompt of at most `budget` tokens (as long as whole filler sentences allow) with the hidden statements at
+    `depth` of the haystack (variable_tracking: the first at `depth`, the second halfway from there to the end)."""
+    hidden, question, prefix, answer = _hidden(kind, rng)
+    base = _n_tokens(tokenizer, _assemble(tokenizer, kind, [], hidden, [0] * len(hidden), question, prefix))
+    if base >= budget:
+        raise ValueError(
+            f"task.context_tokens leaves {budget} tokens for the prompt; the {kind} prompt alone needs {base}"
+        )
+    # estimate how many sentences fit from the tokens of a sample of sentences, then trim to the exact budget
+    probe = [_filler_sentence(kind, random.Random(rng.random())) for _ in range(8)]
+    per = _n_tokens(tokenizer, " ".join(probe)) / len(probe)
+    n = max(0, int((budget - base) / per) + 2)
+    filler = [_filler_sentence(kind, rng) for _ in range(n)]
+
+    def build(k: int) -> str:
+        spots = [round(depth * k)] if len(hidden) == 1 else [round(depth * k), round((depth + (1 - depth) / 2) * k)]
+        return _assemble(tokenizer, kind, filler[:k], hidden, spots, question, prefix)
+
+    k = n
+    text = build(k)
+    size = _n_tokens(tokenizer, text)
+    while size > budget and k > 0:  # drop sentences, a proportional step first, then one by one
+        k = max(0, min(k - 1, k - math.floor((size - budget) / per)))
+        text = build(k)
+        size = _n_tokens(tokenizer, text)
+    return Sample(kind, text, answer, depth, size)
+
+
+def depths(samples: int, depth: float | None) -> list[float]:
+    """Each sample's depth: the given one, or (None) evenly spread over [0, 1] as RULER's depth sweep does."""
+    if depth is not None:
+        return [float(depth)] * samples
+    return [i / (samples - 1) if samples > 1 else 0.5 for i in range(samples)]
+
+
+def make_samples(
+    tokenizer, kind: str, context_tokens: int, samples: int, depth: float | None, seed: int, max_new_tokens: int
+) -> list[Sample]:
+    """`samples` prompts of `kind`, deterministic per (tokenizer, seed, settings): sample i uses its own
+    `random.Random((seed, kind, i))`, so a sample does not change when `samples` grows."""
+    return [
+        make_sample(tokenizer, kind, context_tokens - max_new_tokens, d, random.Random(f"{seed}/{kind}/{i}"))
+        for i, d in enumerate(depths(samples, depth))
+    ]
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def score(response: str, answer: str) -> bool:
+    """Exact match: the first run of digits in the response is the answer (`"71432."` yes; `"7143"` or
+    `"is 71432 1"` with a different first number, no)."""
+    m = _NUMBER.search(response)
+    return m is not None and m.group(0) == answer
+
+
+# Exact prefills of the current prompts, shared by the runs of one process (a sweep over caches at one length pays
+# each prefill once): prompt ids -> (K/V per layer [1, H_kv, T, D] each, last-position logits [1, V]). Bounded in
+# bytes; the oldest entries go first.
+_PREFILLS: OrderedDict[tuple, tuple[list, object]] = OrderedDict()
+PREFILL_MEMO_BYTES = 3 * 2**30
+
+
+def exact_prefill(model, ids):
+    """ids [1, T] -> (per-layer (keys, values) of an exact DynamicCache prefill, logits [1, V] of the last position);
+    memoized per (model, ids) within the process."""
+    from transformers import DynamicCache
+
+    from kvq_lab.models.loading import cache_kwarg
+
+    key = (id(model), model.name_or_path, tuple(ids[0].tolist()))
+    if key in _PREFILLS:
+        _PREFILLS.move_to_end(key)
+        return _PREFILLS[key]
+    dyn = DynamicCache()
+    logits = model(input_ids=ids, **{cache_kwarg(): dyn}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+    out = ([(layer.keys, layer.values) for layer in dyn.layers], logits)
+    _PREFILLS[key] = out
+    size = lambda e: sum(k.numel() * k.element_size() * 2 for k, _ in e[0])  # noqa: E731
+    while len(_PREFILLS) > 1 and sum(size(e) for e in _PREFILLS.values()) > PREFILL_MEMO_BYTES:
+        _PREFILLS.popitem(last=False)
+    return out
+
+
+def greedy(model, cache, logits, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Greedy decoding from a filled cache: logits [1, V] of the last prompt position -> generated ids (stops after
+    an EOS id, which is kept, or after max_new_tokens). Each step attends to the cache as the quantizer left it."""
+    import torch
+
+    from kvq_lab.models.loading import cache_kwarg
+
+    kw = cache_kwarg()
+    out: list[int] = []
+    for step in range(max_new_tokens):
+        nxt = int(logits[0].argmax())
+        out.append(nxt)
+        if nxt in eos or step + 1 == max_new_tokens:
+            break
+        x = torch.tensor([[nxt]], device=logits.device)
+        logits = model(input_ids=x, **{kw: cache}, use_cache=True).logits[:, -1].float()
+    return out
+
+
+def run_retrieval(ctx) -> dict[str, float]:
+    """Task entry point: for each sample, prefill (`task.prefill=exact`: exact attention, K/V handed to a fresh
+    cache as KIVI's real cache does, memoized across the runs of a sweep; `cache`: the prefill through the cache
+    itself), then greedy decoding through the cache. Metrics `retrieval/acc` (%), `retrieval/n`,
+    `retrieval/prompt_tokens` (mean); per-sample responses go to samples.json."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvq_lab.tasks.decode import prefill
+
+    t = ctx.cfg.task
+    n = int(t.samples) if ctx.limit is None else min(int(t.samples), ctx.limit)
+    depth = None if t.get("depth") is None else float(t.depth)
+    max_new = int(t.max_new_tokens)
+    items = make_samples(ctx.tokenizer, str(t.kind), int(t.context_tokens), n, depth, int(t.seed), max_new)
+    eos = {ctx.tokenizer.eos_token_id} | set(_as_list(ctx.model.generation_config.eos_token_id))
+    ctx.progress.unit, ctx.progress.total = "samples", n
+    rows, hits = [], 0
+    for i, s in enumerate(items):
+        ids = torch.tensor([ctx.tokenizer(s.prompt, add_special_tokens=False)["input_ids"]], device=ctx.model.device)
+        cache = ctx.make_cache() or DynamicCache()
+        if str(t.prefill) == "exact" and not getattr(cache, "needs_forward", False):  # recompute: exact via forward
+            kv, logits = exact_prefill(ctx.model, ids)
+            for layer, (k, v) in enumerate(kv):  # clones: the memo's tensors must outlive this cache unchanged
+                cache.update(k.clone(), v.clone(), layer, {})
+        else:
+            logits = prefill(ctx.model, cache, ids, exact=False)
+        new = greedy(ctx.model, cache, logits, max_new, eos)
+        response = ctx.tokenizer.decode(new, skip_special_tokens=True)
+        ok = score(response, s.answer)
+        hits += ok
+        rows.append(
+            {
+                "doc_id": i,
+                "depth": round(s.depth, 4),
+                "prompt_tokens": s.n_tokens,
+                "target": s.answer,
+                "response": response,
+                "correct": bool(ok),
+            }
+        )
+        ctx.progress.done = i + 1
+    ctx.artifacts["samples"] = rows
+    return {
+        "retrieval/acc": 100.0 * hits / n,
+        "retrieval/n": n,
+        "retrieval/prompt_tokens": sum(s.n_tokens for s in items) / n,
+    }
+
+
+def _as_list(x) -> list:
+    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
 
 MIN_PROMPT = 128  # tokens left for the prompt after max_new_tokens: the instruction and question alone take ~100
 PREFILL = ("exact", "cache")
@@ -25,22 +293,6 @@ def _int(t, key: str, lo: int) -> int:
     return v
 
 
-def model_max_positions(cfg: DictConfig) -> int | None:
-    """max_position_embeddings from a local model folder's config.json (None when not local)."""
-    from kvq_lab.models import resolve
-
-    try:
-        src = Path(resolve(str(cfg.model.get("path") or cfg.model.get("name"))))
-    except FileNotFoundError:
-        return None
-    f = src / "config.json"
-    if not f.is_file():
-        return None
-    c = json.loads(f.read_text())
-    c = c.get("text_config", c)
-    return c.get("max_position_embeddings")
-
-
 class RetrievalTask(Task):
     """Exact-match accuracy of a hidden number found in a long generated haystack (RULER-style)."""
 
@@ -48,7 +300,7 @@ class RetrievalTask(Task):
     options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill")
     limit_unit = "samples"
 
-    def check(self, cfg: DictConfig, data_dir: Path | None) -> None:
+    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         super().check(cfg, data_dir)
         t = cfg.task
         if t.get("kind") not in KINDS:
@@ -64,24 +316,22 @@ class RetrievalTask(Task):
             raise ConfigError(f"task.depth={depth!r} must be a number in [0, 1] or null (spread over the samples)")
         if t.get("prefill") not in PREFILL:
             raise ConfigError(f"task.prefill={t.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
-        limit = cfg.get("limit")
+        limit = cfg.limit
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > samples:
             raise ConfigError(f"limit={limit} but task.samples={samples}; use limit<={samples} or limit=null")
-        most = model_max_positions(cfg)
+        most = cfg.facts.context if cfg.facts is not None else None  # max_position_embeddings, from its files
         if most is not None and ctx_tokens > most:
             raise ConfigError(
                 f"task.context_tokens={ctx_tokens} exceeds the model's {most} positions (max_position_embeddings); "
                 f"use task.context_tokens<={most}"
             )
 
-    def inputs(self, cfg: DictConfig, data_dir: Path | None) -> dict[str, Any]:
+    def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         t = cfg.task
         keys = ("kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens")
-        return {"source": "generated", "generator": "kvq_lab.eval.retrieval", **{k: t.get(k) for k in keys}}
+        return {"source": "generated", "generator": "kvq_lab.tasks.retrieval", **{k: t.get(k) for k in keys}}
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
-        from kvq_lab.eval.retrieval import run_retrieval
-
         return run_retrieval(ctx)
 
 

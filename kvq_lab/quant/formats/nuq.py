@@ -2,7 +2,7 @@
 2^bits levels fitted by sensitivity-weighted k-means on calibration data, stored and executed as the `lut` format.
 
 The format is `lut` with another name and a narrower width (1-4 bits, as KVQuant's 2-4): the same table formula, the
-same per-group (scale, zero), the same kernels. Its codebook is what differs: `kvq_lab.calibration` fits one per
+same per-group (scale, zero), the same kernels. Its codebook is what differs: `kvq_lab.fit.calibration` fits one per
 layer and tensor with `fit_codebook` and hands the cache layer a `lut` spec holding it (`CacheConfig.layers`), so
 what runs and what is stored is `lut` with that codebook. Without calibration (a cache built directly from a
 config) `nuq` is lut's default, NormalFloat.
@@ -17,7 +17,7 @@ t_last = 1 must be in the table: lut maps its first and last entries onto the gr
 
 Weights: KVQuant weights each element by a Fisher-information approximation, its squared gradient g^2 on the
 calibration text; the error that matters is in x = u * scale + zero, so an element's weight in u-space is
-g^2 * scale^2 (`kvq_lab.calibration` computes both; any nonnegative weights work here). Initial levels: the
+g^2 * scale^2 (`kvq_lab.fit.calibration` computes both; any nonnegative weights work here). Initial levels: the
 weighted quantiles of u, so an empty level is rare; Lloyd's iterations only lower the weighted squared error.
 """
 

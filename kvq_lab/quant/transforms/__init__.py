@@ -31,7 +31,7 @@ Registered transforms (`kvq_lab.quant.transforms.builtin` imports them):
     rotatekv   fitted: per-head channel reorder by calibration magnitude + Hadamard blocks (RotateKV)
 
 Fitted transforms (`fitted = True`: innerq, rotatekv) take their parameters from data: the bare spelling (`innerq`)
-names the method and has none (using it raises a one-line error), `kvq_lab.calibration` fits one instance per layer
+names the method and has none (using it raises a one-line error), `kvq_lab.fit.calibration` fits one instance per layer
 (`fit`), registers it with `register_fitted`, and the layer's config names it `innerq@<digest>`, a spelling that
 `get_transform` resolves in this process. `example()` gives an instance fitted on synthetic keys, for tests.
 

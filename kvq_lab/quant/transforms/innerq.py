@@ -16,7 +16,7 @@ full normalization every channel spends the same step in normalized units, so a 
 gets an error s times larger once multiplied back (measured on SmolLM2: experiments/methods). alpha < 1 flattens the
 channel ranges only partly, keeping finer steps where the scores need them.
 
-Fitting (`fit`): InnerQ computes s once at prefill; here `kvq_lab.calibration` computes it once per layer on the
+Fitting (`fit`): InnerQ computes s once at prefill; here `kvq_lab.fit.calibration` computes it once per layer on the
 calibration text (never on the evaluated text), from the keys as this transform sees them (after rope_pre when it
 comes first). Keys only; foldable: the packed cache stores k_t, maps the query with `fold_query` (q * s) once per
 decode step, and its kernels never see s. Dropped around a 16-bit quantizer (it would change nothing).
@@ -115,7 +115,7 @@ class InnerQ(Transform):
         if self.scale is None:
             raise QuantConfigError(
                 "innerq has no fitted scales: calibration fits them (run.py does; a cache built by hand needs a "
-                "CacheConfig from kvq_lab.calibration.calibrate)"
+                "CacheConfig from kvq_lab.fit.calibration.calibrate)"
             )
         return per_head(self.scale.to(x.device), x.shape[1])[:, None, :]  # [H, 1, D]
 

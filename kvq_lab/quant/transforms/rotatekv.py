@@ -27,7 +27,7 @@ Not implemented from RotateKV, and why (its public code, github.com/ZunhaiSu/Rot
   tokens at arbitrary positions in the cache (not built).
 
 Orthogonal and the same at every position, so it folds into attention like `hadamard` (the query is rotated with
-its kv head's permutation, the output rotated back). Fitted (`fit`) by `kvq_lab.calibration` once per layer; the
+its kv head's permutation, the output rotated back). Fitted (`fit`) by `kvq_lab.fit.calibration` once per layer; the
 bare spelling has no permutation and is unusable. Elementwise butterflies (`fwht`): bits do not depend on the batch.
 """
 
@@ -115,7 +115,7 @@ class RotateKV(Transform):
         if self.perm is None:
             raise QuantConfigError(
                 "rotatekv has no fitted channel order: calibration fits it (run.py does; a cache built by hand needs a "
-                "CacheConfig from kvq_lab.calibration.calibrate)"
+                "CacheConfig from kvq_lab.fit.calibration.calibrate)"
             )
         p = per_head(self.perm.to(x.device), x.shape[1])  # [H, D]
         return p[None, :, None, :].expand(x.shape)

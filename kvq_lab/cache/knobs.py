@@ -1,0 +1,223 @@
+"""The cache knobs (`key_axis=channel bits=2 ...`) and the `CacheConfig` they build: the one definition of each knob.
+
+`CacheKnobs` holds every knob with its default and meaning. run.py's schema extends it (`kvq_lab.run.config`), lm-eval's
+`kvq` model takes the same names as model args, and the README's knob table and conf/config.yaml are checked against
+it (tests/run/test_schema.py). `cache_config(knobs)` validates any mapping of knobs (a run config, model args) and
+builds the cache, with one-line `ConfigError`s that name the knob as the user spelled it. Torch-free: a format other
+than int imports the format registry, nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvq_lab.common.errors import ConfigError, QuantConfigError
+from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, QuantSpec
+from kvq_lab.quant.transforms import check_transforms
+
+from .config import BACKENDS, MODES, ROPE, CacheConfig
+
+
+def knob(default: Any, doc: str = "", row: str | None = None, factory=None) -> Any:
+    """A knob's field: its default, its meaning (`doc`, the README table's third column), and `row`: the knob whose
+    table row it shares (`value_axis` shares `key_axis`'s)."""
+    meta = {"doc": doc, "row": row}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+@dataclass
+class CacheKnobs:
+    """What a cache is, as the user sets it. Types are loose on purpose: validation gives every bad value the same
+    one-line message, where OmegaConf's own type errors would span several."""
+
+    key_axis: Any = knob(
+        "channel",
+        "`token`: a group is G consecutive channels of one token; `channel`: G consecutive tokens of one channel",
+    )
+    value_axis: Any = knob("token", row="key_axis")
+    bits: Any = knob(
+        None,
+        "1, 2, 3, 4, 8; 16 = no quantization. `bits` sets both; `null`: the format's width "
+        "(int 2, lut 2, fp8 8, nuq 3)",
+    )
+    key_bits: Any = knob(None, row="bits")
+    value_bits: Any = knob(None, row="bits")
+    format: Any = knob(
+        None,
+        "code format: `int` (asymmetric uniform, KIVI's; `null` means int), `fp8_e4m3`, `fp8_e5m2` (8-bit float codes "
+        "times an fp16 absmax scale per group, no zero point: 8.5 bits per element at G=32; a width other than 8 is an "
+        "error), `lut` (2^b sorted code values under a per-group scale and zero, NormalFloat by default), `nuq` "
+        "(KVQuant's non-uniform codes: 1-4 bits, a codebook per layer fitted on calibration text, run as `lut`). "
+        "`format` sets both",
+    )
+    key_format: Any = knob(None, row="format")
+    value_format: Any = knob(None, row="format")
+    group_size: Any = knob(32, "G; per-token groups must divide the head dim")
+    mode: Any = knob(
+        "simulated",
+        "`simulated`: fake quant of every cached token, prefill included (KIVI Table 1); `packed`: the real low-bit "
+        "cache; `recompute`: the attention input X is cached instead of K and V (with the key quantizer and the packed "
+        "cache's streaming) and K, V are rebuilt every decode step (XQuant; `kvq_lab/cache/recompute.py`)",
+    )
+    recompute: Any = knob(
+        None,
+        "`recompute.rank` (`null`): `mode=recompute`: cache X's projection on the top-r right singular vectors of "
+        "[W_k; W_v] (at most min(hidden, K+V dims): 384 on SmolLM2) instead of X",
+        factory=lambda: {"rank": None},
+    )
+    residual_length: Any = knob(0, "R, full-precision recent window (packed mode; a multiple of G)")
+    sink_tokens: Any = knob(0, "first N tokens kept in full precision")
+    rope: Any = knob(
+        "post",
+        "`post`: quantize keys after RoPE (KIVI); `pre`: before RoPE, re-rotated at their positions (KVQuant)",
+    )
+    transform: Any = knob(
+        None,
+        "maps around each quantizer, undone after it: `none`, `hadamard` (orthonormal rotation of the head dim, "
+        "QuaRot; `hadamard:<n>`: blocks of n channels), `rope_pre` (keys only; what `rope=pre` sets); a list composes "
+        "in order, e.g. `key_transform=[rope_pre,hadamard]`. Fitted on calibration text: `innerq` (keys only; a "
+        "power-of-two scale per head and channel, keys divided, query multiplied: InnerQ; `innerq:<alpha>` scales by "
+        "max\\|k\\|^alpha, 0 < alpha <= 1, SmoothQuant-style partial scaling), `rotatekv` (a per-head channel reorder "
+        "by calibration magnitude, then Hadamard blocks, `rotatekv:<n>`; RotateKV, use after `rope_pre`). `transform` "
+        "sets both",
+    )
+    key_transform: Any = knob(None, row="transform")
+    value_transform: Any = knob(None, row="transform")
+    key_outliers: Any = knob(
+        0.0,
+        "dense-and-sparse (KVQuant): the fraction kept exact in a sparse structure and left out of group min/max, in "
+        "[0, 0.5); keys by per-channel thresholds fitted on calibration text, values the top \\|v\\| of each token; "
+        "counted in `nbytes()` and `cache/bits_total`",
+    )
+    value_outliers: Any = knob(0.0, row="key_outliers")
+    backend: Any = knob(
+        "auto",
+        "packed mode's kernels: `torch` (pure PyTorch), `cpu` (a C kernel for decode attention, compiled on first use "
+        "with the system C compiler), `triton` (GPU); `auto`: Triton when CUDA is present, else `cpu` where it builds, "
+        "else `torch` (with a warning). Records name the one that ran",
+    )
+
+
+CACHE_KNOBS = tuple(f.name for f in fields(CacheKnobs))
+DEFAULTS: dict[str, Any] = {f.name: getattr(CacheKnobs(), f.name) for f in fields(CacheKnobs)}
+
+
+def _int(k: Mapping, key: str, lo: int = 0, hint: str = "") -> int:
+    v = k.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{key}={v!r} must be an integer >= {lo}{hint}")
+    return v
+
+
+def _choice(k: Mapping, key: str, allowed) -> str:
+    v = k.get(key)
+    if v not in allowed:
+        raise ConfigError(f"{key}={v!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+    return v
+
+
+def _bits(k: Mapping, key: str) -> int | None:
+    v = k.get(key)
+    if v is not None and (isinstance(v, bool) or v not in BITS):
+        raise ConfigError(
+            f"{key}={v!r} is not supported; choose one of: {', '.join(map(str, BITS))} (16 = no quantization)"
+        )
+    return v
+
+
+def _code(k: Mapping, tensor: str) -> tuple[str, int]:
+    """(format, bits) of one tensor's quantizer: `format` or `<tensor>_format` (null: int), `bits` or
+    `<tensor>_bits` (null: the format's default width). One-line errors name the knobs as the user spelled them."""
+    both, own = k.get("format"), k.get(f"{tensor}_format")
+    if both is not None and own is not None and both != own:
+        raise ConfigError(f"format={both} and {tensor}_format={own} disagree; set one of them")
+    fname = "format" if both is not None else f"{tensor}_format"
+    fmt = both if both is not None else own if own is not None else DEFAULT_FORMAT
+    bname = "bits" if k.get("bits") is not None else f"{tensor}_bits"
+    bits = _bits(k, bname)
+    if fmt == DEFAULT_FORMAT:  # int: every width in BITS, no registry (validation stays torch-free)
+        return fmt, DEFAULT_BITS if bits is None else bits
+    from kvq_lab.quant.formats import FORMATS, check_bits, default_bits, get_format
+    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
+
+    try:
+        if not isinstance(fmt, str):
+            raise QuantConfigError(f"{fname}={fmt!r} must be a format name, e.g. int or fp8_e4m3")
+        if bits is None:
+            return fmt, default_bits(fmt, fname)
+        if bits < 16:  # 16 quantizes nothing, whatever the format (the exact oracle)
+            get_format(fmt, bits, bname, fname)
+        else:  # the name must still exist; the identity has no format, so 16 bits is one cache however spelled
+            default_bits(fmt, fname)
+            if not getattr(FORMATS[fmt], "allows_identity", True):  # nuq: 16 bits would fit nothing
+                check_bits(fmt, bits, bname, fname)
+            return DEFAULT_FORMAT, bits
+        return fmt, bits
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _listed(v):
+    """A knob's list value as a plain list (a Hydra ListConfig or a tuple included); anything else as it is."""
+    return list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+
+
+def _transforms(k: Mapping, tensor: str) -> tuple[str, ...]:
+    """One tensor's transforms: `transform` or `<tensor>_transform` (null or none: none; a name, or a list that
+    composes in order). One-line errors name the knob as the user spelled it."""
+    both, own = _listed(k.get("transform")), _listed(k.get(f"{tensor}_transform"))
+    if both is not None and own is not None and both != own:
+        raise ConfigError(f"transform={_show(both)} and {tensor}_transform={_show(own)} disagree; set one of them")
+    name = "transform" if both is not None else f"{tensor}_transform"
+    try:
+        return check_transforms(both if both is not None else own, tensor, name)
+    except QuantConfigError as e:
+        keys_only = name == "transform" and tensor == "value"
+        hint = f" (it sets keys and values; for keys only: key_transform={_show(both)})" if keys_only else ""
+        raise ConfigError(f"{e}{hint}") from None
+
+
+def _show(v) -> str:
+    """A knob's value as written on the command line: `hadamard`, `[rope_pre,hadamard]`."""
+    return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
+
+
+def _recompute_rank(k: Mapping) -> int | None:
+    """`recompute.rank` (mode=recompute: cache X's projection on r singular vectors; null: X itself)."""
+    r = k.get("recompute") or {}
+    unknown = sorted(set(r) - {"rank"})
+    if unknown:
+        raise ConfigError(f"recompute.{unknown[0]} is not a setting of recompute; allowed: rank")
+    return r.get("rank")
+
+
+def cache_config(knobs: Mapping) -> CacheConfig:
+    """The cache the knobs describe, every layer alike (validated, one-line errors). Knobs not given take their
+    defaults (`CacheKnobs`); other keys of the mapping are ignored."""
+    k = {**DEFAULTS, **{n: knobs[n] for n in CACHE_KNOBS if n in knobs}}
+    key_axis = _choice(k, "key_axis", AXES)
+    value_axis = _choice(k, "value_axis", AXES)
+    key_format, key_bits = _code(k, "key")
+    value_format, value_bits = _code(k, "value")
+    g = _int(k, "group_size", lo=1, hint=" (e.g. 32)")
+    _int(k, "residual_length", lo=0)
+    _int(k, "sink_tokens", lo=0)
+    try:
+        return CacheConfig(
+            key=QuantSpec(key_bits, g, key_axis, key_format),
+            value=QuantSpec(value_bits, g, value_axis, value_format),
+            mode=_choice(k, "mode", MODES),
+            residual_length=k["residual_length"],
+            sink_tokens=k["sink_tokens"],
+            rope=_choice(k, "rope", ROPE),
+            backend=_choice(k, "backend", BACKENDS),
+            key_transform=_transforms(k, "key"),
+            value_transform=_transforms(k, "value"),
+            key_outliers=k["key_outliers"],
+            value_outliers=k["value_outliers"],
+            recompute_rank=_recompute_rank(k),
+        )
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None

@@ -1,0 +1,124 @@
+"""What is checked, resolved and looked up from the model's files before its weights load, for a run and for
+lm-eval's `kvq` model alike: the model's shape against the cache (group tiling, transforms, a per-layer bits file),
+the calibration and sensitivity texts against the token counts they must hold (the model's own tokenizer), mode=
+recompute against the architecture, the backend `auto` stands for, and a fit already kept in the calibration cache.
+
+Each check raises a one-line `ConfigError`. Sections are the run's validated settings (`calibration`, `precision`,
+`task`, `model`: mappings; `kvq_lab.fit.calibration.settings`, `kvq_lab.fit.precision_settings.settings`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.common.errors import ConfigError, QuantConfigError
+
+from . import calibration
+from . import precision_settings as precision
+
+
+def model_facts(model: str, head_dim: int | None = None):
+    """What the model is (`kvq_lab.models.files.ModelFacts`: layers, heads, head dim) read from its local files
+    without loading weights, None for a hub id; `head_dim` (the model section's, when given) overrides the files. One-
+    line ConfigError for a file that is not what it claims (a truncated GGUF)."""
+    from kvq_lab.models.files import BadModelFile, ModelFacts, facts
+    from kvq_lab.models.loading import resolve
+
+    try:
+        f = facts(resolve(model))
+    except BadModelFile as e:
+        raise ConfigError(f"model.path={model!r} is not a valid model file (truncated?): {e}") from None
+    if head_dim:
+        f = replace(f, head_dim=int(head_dim)) if f is not None else ModelFacts(0, 0, 0, int(head_dim), 0, None)
+    return f
+
+
+def check_recompute(cache: CacheConfig, model: str, probes: bool) -> None:
+    """mode=recompute before any weights load: the probes (`probes`: the run measures them) model K/V quantizers,
+    not X; a local model's architecture (built from its config.json on the meta device) has separable K/V projections
+    and room for the rank. Other sources (hub ids, GGUF files) are checked the same way when the cache is built, right
+    after loading."""
+    if probes:
+        raise ConfigError("the probes measure K/V quantizers; mode=recompute quantizes X: use mode=packed or simulated")
+    if calibration.needs_calibration(cache):
+        raise ConfigError(f"{calibration.what_is_fitted(cache)} is fitted on K/V; mode=recompute quantizes X: unset it")
+    from kvq_lab.models.loading import resolve
+
+    path = Path(resolve(model)).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    from kvq_lab.cache.recompute import check_model_config
+
+    try:
+        check_model_config(str(path), cache.recompute_rank, cache.key)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_against_model(
+    cache: CacheConfig,
+    model: str,
+    facts,
+    cal: Mapping,
+    prec: Mapping,
+    data_dir: Path | None,
+    task: Mapping | None = None,
+) -> None:
+    """The checks that need the model's shape or tokenizer but not its weights, before it loads: group tiling and
+    transforms against the head dim, a per-layer bits file against the layer count, the calibration (`cal`) and
+    sensitivity (`prec`) texts against the token counts they must hold, with the model's own tokenizer where it is
+    local (a text that would be downloaded is checked once the model loads)."""
+    if facts is None:
+        return
+    if facts.head_dim:
+        try:
+            cache.check_head_dim(facts.head_dim)
+        except QuantConfigError as e:
+            raise ConfigError(str(e)) from None
+    if facts.layers:
+        precision.check_layers(prec, cache, facts.layers)
+    search = precision.settings(prec)["name"] == "search"
+    if not (calibration.needs_calibration(cache) or search):
+        return
+    sources = {calibration.settings(cal)["source"], precision.settings(prec)["source"]}
+    if data_dir is None and "gsm8k_train" in sources:
+        return
+    from kvq_lab.models.files import load_tokenizer
+    from kvq_lab.models.loading import resolve
+
+    tok = load_tokenizer(resolve(model))
+    calibration.check_text_length(cal, cache, tok, data_dir, task)
+    precision.check_text_length(prec, tok, data_dir)
+
+
+def resolve_backend(cache: CacheConfig, facts) -> CacheConfig:
+    """The cache with the backend that will run in place of `auto` (`kvq_lab.cache.backends.resolve`): records
+    name it, and `backend=auto` is the same run as an explicit choice of what it picks."""
+    if cache.mode == "simulated":
+        return replace(cache, backend="torch") if cache.backend != "torch" else cache
+    from kvq_lab.cache.backends import resolve
+
+    width = None
+    if cache.mode == "recompute" and facts is not None and facts.hidden:
+        width = cache.recompute_rank or facts.hidden
+    name = resolve(cache, width)
+    return cache if name is None or name == cache.backend else replace(cache, backend=name)
+
+
+def fit_pending(cache: CacheConfig, prec: Mapping) -> bool:
+    """Whether something of this run is fitted after the model loads (calibration, a per-layer search)."""
+    return calibration.needs_calibration(cache) or precision.settings(prec)["name"] == "search"
+
+
+def kept_fit(cache: CacheConfig, cal: Mapping, prec: Mapping, data_dir: Path | None, model_id) -> CacheConfig | None:
+    """The fitted cache from the calibration cache, where this run's fit is kept there and matches its digest
+    (read before any model loads, so a rerun finds its completed record at once); None otherwise."""
+    if not calibration.needs_calibration(cache) or precision.settings(prec)["name"] == "search":
+        return None
+    s = calibration.settings(cal)
+    if not calibration.text_at_hand(s, data_dir):
+        return None
+    return calibration.read_fit(calibration.fit_path(cache, s, data_dir, model_id), cache)

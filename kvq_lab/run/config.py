@@ -1,0 +1,331 @@
+"""The user's contract: the run config schema, and the typed `RunConfig` built from it once, at the entry point.
+
+Hydra composes `conf/` against `RunSchema` (registered as `kvq_schema`; the cache knobs come from
+`kvq_lab.cache.knobs.CacheKnobs`), so an unknown top-level key fails at compose time. `build(cfg)` then checks every
+value and turns Hydra's config into a frozen `RunConfig` *before any model loads*; each failure is a `ConfigError`
+whose one-line message names the key, the bad value and what is allowed. Nothing below the runner reads Hydra's
+config: tasks, fits and caches get the `RunConfig` (or one of its sections). `validate(cfg)` adds what the run's
+numbers are computed from (`RunPlan`: inputs, run key).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
+from kvq_lab.cache.knobs import cache_config as cache_from_knobs
+from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.section import Section
+from kvq_lab.run.checks import LOGGER_KEYS, WANDB_MODES, check_keys, check_paths, data_dir
+
+__all__ = ["ConfigError", "RunConfig", "RunPlan", "RunSchema", "build", "cache_config", "config_hash", "validate"]
+
+
+@dataclass
+class RunSchema(CacheKnobs):
+    """Every top-level knob: the cache's (`CacheKnobs`) and the run's, with defaults and meaning (conf/config.yaml
+    sets the same defaults; tests/run/test_schema.py checks both it and the README's knob table against this)."""
+
+    limit: Any = knob(None, "evaluate only the first N documents of the task")
+    seed: Any = knob(0, "seed of every random generator")
+    batch_size: Any = knob(1, "prompts per batch (left-padded; padding never enters a group)")
+    prefix_reuse: Any = knob(
+        True, "lm-eval tasks: prompts sharing a prefix (CoQA's turns of one story) reuse its cache, at any batch_size"
+    )
+    probe: Any = knob(False, "also log reconstruction / attention-score / attention-output error per layer and head")
+    probes: Any = knob(None, "settings of `probe=true` (prompts, lengths, figures), see conf/config.yaml", factory=dict)
+    device: Any = knob("cpu", "`cpu`, `cuda` or `cuda:<index>`")
+    data_dir: Any = knob(None, "local data folder (`$KVQ_DATA_DIR`); unset: download from the hub")
+    results_dir: Any = knob(
+        "results",
+        "records go to `<results_dir>/runs/<run name>/record.json`; `experiment=<name>` sets `experiments/<name>`",
+    )
+    run_name: Any = knob(None, "the run's folder name; default `<task>_<cache label>_<config hash>`")
+    resume: Any = knob(
+        True,
+        "skip a run whose completed record exists for the same config, data files, model, fit, code and libraries: a "
+        "killed sweep repeats nothing, a changed input reruns",
+    )
+    resume_dirty: Any = knob(False, "also reuse records made from a git tree with uncommitted changes")
+    experiment_name: Any = knob(None, "the study a run belongs to (`experiment=<name>` sets it)")
+    model: Any = knob(None, "`conf/model/`: `smollm2-135m`, or `model=hub model.path=<hub id or folder>`", factory=dict)
+    task: Any = knob(None, "`conf/task/`: `coqa_turns` (default), see the task table", factory=dict)
+    logger: Any = knob(None, "`wandb` (offline unless `logger.mode=online` or `WANDB_MODE`) or `none`", factory=dict)
+    calibration: Any = knob(
+        None,
+        "text the fitted methods (`nuq`, `key_outliers`, `innerq`, `rotatekv`) learn from, never the evaluated text: "
+        "`gsm8k_train` (GSM8K train split), `coqa_stories` (the tail of the CoQA stories, after the ppl windows; "
+        "refused for the CoQA tasks), `file` (`calibration.path`); `calibration.tokens` (2048). Fitted once per model, "
+        "method, settings and code version, kept in `~/.cache/kvq_lab/calibration/` with its digest "
+        "(`kvq_lab/fit/calibration.py`)",
+        factory=dict,
+    )
+    precision: Any = knob(
+        None,
+        "`uniform`: every layer at `key_bits`/`value_bits`; `search`: per-layer (key bits, value bits) from "
+        "`precision.choices` ([2,3,4,8]) with the least logit-KL sensitivity under `precision.budget` stored bits per "
+        "K/V element (counted as the packed cache's `nbytes()` counts, at `precision.tokens`), written to "
+        "`<run>/precision.yaml`; `file`: `precision.path=<that file>` reruns it (`kvq_lab/fit/precision.py`, KVTuner)",
+        factory=dict,
+    )
+
+
+SECTIONS = ("model", "task", "logger", "probes", "calibration", "precision")
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="kvq_schema", node=RunSchema)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run config: typed values and read-only sections (`kvq_lab.common.section.Section`).
+
+    cache: the cache the knobs describe (precision=file's per-layer bits applied; `backend` the one that will run).
+    task, model, logger: their sections as given; calibration, precision: their validated settings (defaults
+    filled); probes: `ProbeSettings` when `probe=true`, else None. model_source: what `model` resolves to (registry
+    name, hub id, folder, GGUF). facts: the model's shape from its files (`ModelFacts`), None for a hub id.
+    resolved: the whole resolved config as Hydra composed it (what the record and W&B carry)."""
+
+    cache: CacheConfig
+    task: Section
+    model: Section
+    logger: Section
+    calibration: Section
+    precision: Section
+    probes: Any
+    limit: int | None
+    seed: int
+    batch_size: int
+    prefix_reuse: bool
+    probe: bool
+    device: str
+    data_dir: Path | None
+    results_dir: Path
+    run_name: str | None
+    resume: bool
+    resume_dirty: bool
+    experiment_name: str | None
+    model_source: str
+    facts: Any
+    resolved: Section
+
+    @property
+    def dtype(self) -> str:
+        return self.model.get("dtype") or "float32"
+
+
+def _int(c: dict, key: str, lo: int = 0, allow_none: bool = False) -> int | None:
+    v = c.get(key)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{key}={v!r} must be an integer >= {lo}" + (" or null" if allow_none else ""))
+    return v
+
+
+def _bool(c: dict, key: str) -> bool:
+    v = c.get(key)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}={v!r} must be true or false")
+    return v
+
+
+def _container(cfg) -> dict:
+    """Hydra's config as plain Python values (`???` stays as written: `model=hub` without a path says so)."""
+    if isinstance(cfg, DictConfig):
+        c = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        c = dict(cfg)
+    c.pop("hydra", None)
+    return c
+
+
+def cache_config(cfg) -> CacheConfig:
+    """The cache the run asks for, from the top-level knobs (validated, one-line errors); precision=file gives it
+    the file's per-layer key/value bits (`kvq_lab.fit.precision_settings`)."""
+    from kvq_lab.fit import precision_settings
+
+    c = _container(cfg)
+    return precision_settings.apply_file(c.get("precision"), cache_from_knobs(c))
+
+
+def build(cfg) -> RunConfig:
+    """Hydra's config (or a plain mapping of it) -> the validated `RunConfig`; no model is loaded. Raises
+    ConfigError (one line, with the fix)."""
+    from kvq_lab.cache.checks import check_device
+    from kvq_lab.fit import calibration, checks, precision_settings
+    from kvq_lab.models.loading import check_source
+    from kvq_lab.run.plugins import TASKS
+
+    c = _container(cfg)
+    unknown = sorted(set(c) - {f.name for f in fields(RunSchema)})
+    if unknown:  # `+key=value` slips past Hydra's struct check; a typo must not change the run silently
+        raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
+    for s in SECTIONS:
+        c[s] = c.get(s) or {}
+    cache = cache_config(c)
+    check_device(c.get("device"), cache)
+    precision_settings.check(c["precision"], cache)  # settings, a budget the smallest choice meets, a K/V mode
+    task_name = c["task"].get("name")
+    ddir = data_dir(c)
+    calibration.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, is not the task's
+    limit = _int(c, "limit", lo=1, allow_none=True)
+    seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
+    flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
+    results_dir = check_paths(c)
+    logger = c["logger"].get("name")
+    if logger not in LOGGER_KEYS:
+        raise ConfigError(f"logger={logger!r} is not a logger; choose one of: {', '.join(LOGGER_KEYS)}")
+    check_keys("logger", c["logger"], LOGGER_KEYS[logger])
+    if logger == "wandb" and c["logger"].get("mode") not in WANDB_MODES:
+        raise ConfigError(f"logger.mode={c['logger'].get('mode')!r}; choose offline, online or disabled")
+    probes = None
+    if flags["probe"]:  # the probes' own settings, checked now rather than after a task has run
+        from kvq_lab.probes.settings import ProbeSettings
+
+        try:
+            probes = ProbeSettings.from_dict(c["probes"])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"probes: {e}") from None
+    if task_name not in TASKS:
+        raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
+    model = check_source(c["model"])
+    facts = checks.model_facts(model, c["model"].get("head_dim"))
+    if cache.mode == "recompute":
+        checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
+    run = RunConfig(
+        cache=cache,
+        task=Section(c["task"]),
+        model=Section(c["model"]),
+        logger=Section(c["logger"]),
+        calibration=Section(calibration.settings(c["calibration"])),
+        precision=Section(precision_settings.settings(c["precision"])),
+        probes=probes,
+        limit=limit,
+        seed=seed,
+        batch_size=batch_size,
+        **flags,
+        device=c["device"],
+        data_dir=ddir,
+        results_dir=results_dir,
+        run_name=c.get("run_name"),
+        experiment_name=c.get("experiment_name"),
+        model_source=model,
+        facts=facts,
+        resolved=Section(c),
+    )
+    TASKS[task_name].check(run, ddir)
+    checks.check_against_model(cache, model, facts, c["calibration"], c["precision"], ddir, c["task"])
+    return _replace(run, cache=checks.resolve_backend(cache, facts))
+
+
+def _replace(run: RunConfig, **changes) -> RunConfig:
+    from dataclasses import replace
+
+    return replace(run, **changes)
+
+
+@dataclass
+class RunPlan:
+    """A validated run: its config, the cache to build, and what its numbers are computed from.
+
+    config_hash: the resolved config (cache knobs replaced by the cache they build, its backend resolved); inputs:
+    identities of the data files, the model, the package sources, the libraries and, where something is fitted
+    (calibration, per-layer bits), the digest of the fitted parameters (`fitted`); run_key: all of it hashed together
+    (the resume key), "" while the fit is still to be made (the runner sets it once the fit exists, `refit`);
+    row_key: the same without the fit (what a sweep row is claimed and found by, fitted or not).
+    """
+
+    cfg: RunConfig
+    cache: CacheConfig
+    config_hash: str
+    inputs: dict[str, Any] = field(default_factory=dict)
+    run_key: str = ""
+    row_key: str = ""
+
+    @property
+    def task(self) -> str:
+        return self.cfg.task.name
+
+    @property
+    def results_dir(self) -> Path:
+        return self.cfg.results_dir
+
+    @property
+    def data_dir(self) -> Path | None:
+        return self.cfg.data_dir
+
+    def refit(self, cache: CacheConfig) -> bool:
+        """Take the fitted cache (after calibration and the per-layer search) and key the run by its fit; -> whether
+        the run key changed (then the runner looks for a completed record of the new key)."""
+        from kvq_lab.fit.calibration import fitted_digest
+        from kvq_lab.records.provenance import run_key
+
+        self.cache = cache
+        digest = fitted_digest(cache)
+        if digest == self.inputs.get("fitted") and self.run_key:
+            return False
+        self.inputs = {k: v for k, v in self.inputs.items() if k != "fitted"}
+        if digest:
+            self.inputs["fitted"] = digest
+        self.run_key = run_key(self.config_hash, self.inputs)
+        return True
+
+
+# CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
+CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
+CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
+WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
+
+
+def config_hash(cfg, cache: CacheConfig | None = None) -> str:
+    """Hash of what determines a run's result: everything except where it is written and how it is logged,
+    with the cache knobs replaced by the cache they describe. `cfg`: a RunConfig, or Hydra's config."""
+    c = cfg.resolved.to_dict() if isinstance(cfg, RunConfig) else _container(cfg)
+    cache = cache if cache is not None else cfg.cache if isinstance(cfg, RunConfig) else cache_config(c)
+    from kvq_lab.fit import precision_settings
+    from kvq_lab.fit.calibration import needs_calibration
+
+    precision = precision_settings.hash_part(c.get("precision"))  # per-layer bits by content; uniform: left out
+    for k in (*WHERE, *CACHE_KNOBS, "precision"):
+        c.pop(k, None)
+    if precision is not None:
+        c["precision"] = precision
+    fitted_out = asdict(cache.unfitted()).items()
+    c["cache"] = {k: v for k, v in fitted_out if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
+    if not needs_calibration(cache):
+        c.pop("calibration", None)  # calibration settings only matter to fitted methods
+    if not c.get("probe"):
+        c.pop("probes", None)  # probe settings only matter when probes run
+    return hashlib.sha256(json.dumps(c, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def validate(cfg) -> RunPlan:
+    """`build` the RunConfig, then identify what its numbers come from (`RunPlan`); no model is loaded."""
+    from kvq_lab.fit import checks
+    from kvq_lab.records.provenance import code_version, library_versions, model_identity, run_key
+    from kvq_lab.run.plugins import TASKS
+
+    run = build(cfg)
+    h = config_hash(run)
+    inputs = {
+        "data": TASKS[run.task.name].inputs(run, run.data_dir),
+        "model": model_identity(run.model_source, run.model.get("revision")),
+        "code": code_version(),
+        "libraries": library_versions(),
+    }
+    plan = RunPlan(cfg=run, cache=run.cache, config_hash=h, inputs=inputs, row_key=run_key(h, inputs))
+    fitted = checks.kept_fit(run.cache, run.calibration, run.precision, run.data_dir, inputs["model"])
+    if fitted is not None or not checks.fit_pending(run.cache, run.precision):  # else the key waits for the fit
+        plan.refit(fitted if fitted is not None else run.cache)
+    return plan

@@ -1,0 +1,400 @@
+"""`run(cfg) -> metrics`: the whole pipeline for one config, as a plain function (run.py and tests call it).
+
+config -> validate (no model yet) -> claim the row -> skip if already done -> model -> cache factory -> task ->
+record + W&B. SIGINT/SIGTERM during a run mark its record `interrupted` (with the progress reached) and raise
+`RunInterrupted`; run.py turns that into one line and stops (a sweep stops at the current row).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from kvq_lab.records.claims import Claim
+from kvq_lab.records.environment import environment
+from kvq_lab.records.record import (
+    RECORD,
+    mark_died,
+    new_run_dir,
+    overwrite_in_place,
+    pick_completed,
+    write_json_atomic,
+    write_record,
+    write_sidecars,
+)
+from kvq_lab.records.wandb import WandbMirror
+from kvq_lab.run.config import ConfigError, RunConfig, RunPlan, validate
+
+log = logging.getLogger("kvq_lab")
+
+# Models stay loaded across the jobs of one multirun process: a sweep loads each model once.
+_MODELS: dict[tuple, tuple] = {}
+
+
+def get_model(name: str, dtype: str, device: str):
+    from kvq_lab.models.loading import load_model
+
+    key = (name, dtype, device)
+    if key not in _MODELS:
+        _MODELS.clear()  # one model in memory at a time
+        _MODELS[key] = load_model(name, dtype=dtype, device=device)
+    return _MODELS[key]
+
+
+def cache_factory(plan: RunPlan, model):
+    from kvq_lab.cache import QuantizedKVCache
+
+    QuantizedKVCache.for_model(model, plan.cache)  # fail now (e.g. group size vs head_dim), not mid-task
+    return lambda: QuantizedKVCache.for_model(model, plan.cache)
+
+
+def cache_bits(cache) -> dict[str, float]:
+    """Stored bits per element of each quantizer, codes plus per-group parameters (int2 G32: 3.0; fp8 G32: 8.5;
+    16 = kept as is), whole groups, exact windows and sinks not counted: the format's own cost, as a table
+    compares formats at equal bytes. Packed runs measure their real bytes with `cache.nbytes()`."""
+    from kvq_lab.quant.formats import bits_per_element
+    from kvq_lab.quant.reference import code_format
+
+    def one(spec):
+        return 16.0 if spec.is_identity else bits_per_element(code_format(spec), spec.group_size, spec.axis)
+
+    layers = [cache.for_layer(i) for i in range(len(cache.layers))] or [cache]  # per-layer precision: the mean
+    k = sum(one(c.key) for c in layers) / len(layers)
+    v = sum(one(c.value) for c in layers) / len(layers)
+    return {"cache/bits_key": k, "cache/bits_value": v, "cache/bits": (k + v) / 2}
+
+
+def run_name(plan: RunPlan) -> str:
+    if plan.cfg.run_name:
+        return str(plan.cfg.run_name)
+    return f"{plan.task}_{plan.cache.label()}_{plan.config_hash[:6]}"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+class RunFailed(RuntimeError):
+    """A run failed after validation; its record (status `failed`) says why."""
+
+
+class RecordNotWritten(RunFailed):
+    """The run finished but its record could not be written; the metrics were printed with the reason."""
+
+
+class RunInterrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt: not an Exception, so nothing swallows it)
+    """SIGINT or SIGTERM arrived during a run; its record says `interrupted` (`record` is the record's path)."""
+
+    def __init__(self, signame: str, record: Path | None = None, progress: str = ""):
+        super().__init__(signame)
+        self.signame, self.record, self.progress = signame, record, progress
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(getattr(signal, self.signame, signal.SIGINT))
+
+
+@contextmanager
+def _signals_raise():
+    """Within the block, SIGINT and SIGTERM raise RunInterrupted (main thread only: elsewhere Python cannot)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise RunInterrupted(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class Timer:
+    """`with timer("task_s"): ...` records the block's wall time (seconds) in `timer.t`, even if it raises."""
+
+    def __init__(self):
+        self.t = {}
+
+    @contextmanager
+    def __call__(self, name):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] = round(time.perf_counter() - t0, 3)
+
+
+def run(cfg, sweep: str | None = None, outcome: dict | None = None) -> dict[str, float]:
+    """Run one config. Raises ConfigError on bad input (before loading anything, or, for what only the loaded model
+    can tell, right after, with the run's folder removed: a rejected config leaves nothing). A failure inside the
+    run is recorded (status `failed`, with the error) and re-raised as RunFailed so a sweep can go on;
+    SIGINT/SIGTERM are recorded (status `interrupted`) and re-raised as RunInterrupted. Returns {} when another
+    process holds this row's claim (it is being run right now). `sweep`: the id of the sweep this row belongs to
+    (run.py passes it in multirun mode); W&B groups a sweep's rows by experiment_name, else by it. `outcome`, when
+    given, receives the row key and, for a row that did not run here, why (`skipped`, `running elsewhere`)."""
+    plan = validate(cfg)
+    outcome = {} if outcome is None else outcome
+    outcome["row_key"] = plan.row_key
+    with _signals_raise():
+        try:
+            claim = Claim.acquire(plan.results_dir, plan.row_key)
+        except OSError as e:  # a full disk or a folder that stopped being writable since validation
+            msg = f"results_dir={plan.results_dir}: cannot write there ({e.strerror}); nothing was run"
+            raise ConfigError(msg) from None
+        if claim is None:
+            holder = Claim.holder(plan.results_dir, plan.row_key)
+            print(f"skip: this row is being run now by {holder}")
+            outcome.update(status="running elsewhere", detail=holder)
+            return {}
+        with claim:
+            done = _completed(plan, outcome)
+            if done is not None:
+                return done
+            return _run(plan, sweep, outcome)
+
+
+def _completed(plan: RunPlan, outcome: dict) -> dict[str, float] | None:
+    """The metrics of a completed record of this run (same run key, matching its digest), printed as a skip; None
+    when there is none, resume is off, or the run key waits for a fit."""
+    if not plan.cfg.resume:
+        return None
+    from kvq_lab.records.index import query
+
+    row = query(plan.results_dir, {"row_key": plan.row_key}, with_integrity=True)  # every fit of this row
+    for r in row:  # under the row's claim, a record still `running` is stale
+        if r.get("status") == "running":
+            mark_died(r)
+    if not plan.run_key:
+        return None
+    done, dirty = pick_completed([r for r in row if r.get("run_key") == plan.run_key], plan.cfg.resume_dirty)
+    if done is not None:
+        print(f"skip: a completed record of this run exists: {done['_path']}")
+        print(summary_line(plan, done["metrics"], Path(done["_path"])))
+        outcome.update(status="skipped", detail=f"a completed record exists ({Path(done['_path']) / RECORD})")
+        return done["metrics"]
+    if dirty:
+        print(
+            f"note: {len(dirty)} completed record(s) of this run came from a git tree with uncommitted "
+            f"changes ({dirty[-1]['_path']}); running again (resume_dirty=true would reuse it)"
+        )
+    return None
+
+
+def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
+    from kvq_lab.run.alloc import retain_freed_memory
+    from kvq_lab.run.plugins import TASKS
+    from kvq_lab.tasks import TaskContext
+
+    retain_freed_memory()  # whatever launcher runs this row: freed tensors' pages stay mapped for the next ones
+
+    cfg = plan.cfg
+    name = run_name(plan)
+    run_dir = new_run_dir(plan.results_dir, name)
+    record = {
+        "name": name,
+        "status": "running",
+        "started": datetime.now().isoformat(timespec="microseconds"),  # orders records made within one second
+        "config": cfg.resolved.to_dict(),
+        "config_hash": plan.config_hash,
+        "run_key": plan.run_key,
+        "row_key": plan.row_key,
+        "inputs": plan.inputs,
+        "cache": plan.cache.label(),
+        "cache_config": asdict(plan.cache),
+        "backend": plan.cache.backend,  # the one that runs (`auto` resolved before the run key)
+        "experiment": cfg.experiment_name,
+        "sweep": sweep,
+        "env": environment(cfg.device),
+        "metrics": {},
+        "timings": {},
+    }
+    try:
+        write_record(run_dir / RECORD, record)
+    except OSError as e:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise RunFailed(f"cannot write the record {run_dir / RECORD}: {e}; nothing was run") from None
+
+    timer = Timer()
+    # Task data loaders (lm-eval `custom_dataset` functions) read the data folder from the environment
+    if plan.data_dir is not None:
+        os.environ["KVQ_DATA_DIR"] = str(plan.data_dir)
+    ctx = None
+    try:
+        seed_everything(cfg.seed)
+        with timer("model_load_s"):
+            model, tok = get_model(cfg.model_source, cfg.dtype, cfg.device)
+        with timer("calibration_s"):  # fitted methods (nuq, outliers, innerq, rotatekv): one config per layer
+            from kvq_lab.fit.calibration import calibrate
+
+            model_id = plan.inputs.get("model")
+            cache = calibrate(model, tok, plan.cache, cfg.calibration, plan.data_dir, model_id, cfg.task)
+        with timer("precision_s"):  # precision=search: per-layer key/value bits under a budget (kvq_lab.fit.precision)
+            from kvq_lab.fit import precision
+
+            cache = precision.resolve(model, tok, cache, cfg.precision, plan.data_dir, run_dir, model_id)
+        if plan.refit(cache):  # the fit is part of the run key: a completed record of this fit ends the run here
+            record.update(run_key=plan.run_key, inputs=plan.inputs)
+            done = _completed(plan, outcome)
+            if done is not None:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                return done
+        record["cache_config"] = asdict(plan.cache)
+        make_cache = cache_factory(plan, model)
+        ctx = TaskContext(model, tok, make_cache, cfg, run_dir, plan.data_dir, cfg.limit, cache_config=plan.cache)
+        with timer("task_s"), torch.inference_mode():
+            metrics = TASKS[plan.task].run(ctx)
+            if cfg.probe:  # error geometry beside the task's score (kvq_lab/probes)
+                from kvq_lab.tasks.probe import run_probes_for_task
+
+                metrics.update(run_probes_for_task(ctx))
+        metrics.update(cache_bits(plan.cache))
+        metrics.update(precision.metrics(model, plan.cache, cfg.precision))  # per-layer bits: means and stored bits
+        from kvq_lab.cache.accounting import stored_bits
+
+        metrics.update(stored_bits(plan.cache, cfg.task, model.config))  # all stored: tables, outliers, windows, sinks
+        if plan.cache.mode == "recompute":  # one tensor, X: the K/V formulas do not apply; its nbytes() instead
+            n = int(metrics["cache/bits_tokens"])
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("cache/bits")}
+            metrics.update(precision.measured_bits(model, plan.cache, n))
+    except RunInterrupted as e:
+        progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
+        record.update(
+            status="interrupted",
+            signal=e.signame,
+            interrupted=datetime.now().isoformat(timespec="seconds"),
+            progress=progress,
+            timings=timer.t,
+        )
+        _write_quietly(run_dir / RECORD, record)
+        raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress)) from None
+    except ConfigError:  # what only the loaded model could tell: rejected like any bad input, nothing left behind
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    except Exception as e:
+        record.update(
+            status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
+        )
+        _write_quietly(run_dir / RECORD, record)
+        _mirror(cfg, record, run_dir, {}, None, failed=True)
+        raise RunFailed(f"run {name} failed: {type(e).__name__}: {e} (record: {run_dir / RECORD})") from e
+
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
+    if bad:
+        log.warning("NaN metrics: %s", bad)
+    record.update(status="ok", metrics=metrics, timings=timer.t, finished=datetime.now().isoformat(timespec="seconds"))
+    # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
+    extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
+    try:
+        if extras:
+            record["artifacts"] = write_sidecars(run_dir, extras)
+        if ctx.artifacts.get("samples"):
+            write_json_atomic(run_dir / SAMPLES, ctx.artifacts["samples"])
+            record["samples_file"] = SAMPLES
+        record["wandb_dir"] = _mirror(cfg, record, run_dir, metrics, ctx.artifacts)
+        write_record(run_dir / RECORD, record)
+    except OSError as e:
+        where = _record_failure(run_dir, record, f"{type(e).__name__}: {e}")
+        print(summary_line(plan, metrics, None))
+        raise RecordNotWritten(
+            f"run {name} finished (metrics above) but its record could not be written to {run_dir}: {e}; {where}"
+        ) from None
+    print(summary_line(plan, metrics, run_dir))
+    return metrics
+
+
+SAMPLES = "samples.json"
+
+
+def _record_failure(run_dir: Path, record: dict, reason: str) -> str:
+    """The final record could not be written (a full disk, permissions): leave the record `failed` with the reason
+    and the metrics if any write still succeeds (atomically, else in place over the `running` record, whose blocks a
+    full disk can reuse), so no record stays `running`. -> what the record now says, for the message."""
+    failed = {k: v for k, v in record.items() if k not in ("artifacts", "samples_file", "wandb_dir")} | {
+        "status": "failed",
+        "error": f"the record could not be written: {reason}",
+    }
+    path = run_dir / RECORD
+    for write in (write_record, overwrite_in_place):
+        try:
+            write(path, failed)
+            return f"the record {path} says failed"
+        except OSError:
+            continue
+    return f"the record {path} could not be updated either and still says running (it is not a result)"
+
+
+def _write_quietly(path: Path, record: dict) -> None:
+    try:
+        write_record(path, record)
+    except OSError as e:
+        log.error("could not update the record %s: %s", path, e)
+
+
+def _mirror(cfg: RunConfig, record: dict, run_dir, metrics, artifacts, failed: bool = False) -> str | None:
+    """The W&B copy of a finished run (see WandbMirror); a W&B problem never costs the record.
+
+    Grouped by experiment (else by sweep), with every config field, the structured cache config, the run key and
+    the input identities in the run config, so W&B's compare and parallel-coordinates views can select on any."""
+    if cfg.logger.get("name", "none") != "wandb":
+        return None
+    name = record["name"]
+    config = {
+        **record["config"],
+        "cache_config": record["cache_config"],
+        "cache_label": record["cache"],
+        "run_key": record["run_key"],
+        "config_hash": record["config_hash"],
+        "inputs": record["inputs"],
+    }
+    group = cfg.logger.get("group") or record.get("experiment") or record.get("sweep")
+    try:
+        mirror = WandbMirror(cfg.logger, name, config, run_dir, group=group)
+        if not failed:
+            artifacts = artifacts or {}
+            mirror.log(metrics, tables=artifacts.get("wandb_tables"), images=artifacts.get("wandb_images"))
+        return mirror.finish(failed=failed)
+    except Exception as e:  # the record is the source of truth; say what went wrong and go on
+        log.warning("W&B mirror of %s not written: %s: %s", name, type(e).__name__, e)
+        return None
+
+
+def _progress_text(p: dict) -> str:
+    total = f" of {p['total']}" if p.get("total") else ""
+    return f"{p.get('done', 0)}{total} {p.get('unit', 'steps')}"
+
+
+def summary_line(plan: RunPlan, metrics: dict, run_dir: Path | None) -> str:
+    """The metrics in one line, then where the record is (run_dir None: no record holds them)."""
+    shown = ", ".join(
+        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in metrics.items()
+        if not k.startswith("probe/") or k.endswith("/mean")
+    )
+    where = f"record: {run_dir / RECORD}" if run_dir is not None else "record: not written (see the error below)"
+    return f"[{plan.cache.label()}] {shown}\n{where}"
+
+
+__all__ = ["ConfigError", "RecordNotWritten", "RunFailed", "RunInterrupted", "run"]
