@@ -1,6 +1,6 @@
 """Decode perplexity of the packed cache through each backend (the records in runs/), as a bar chart.
 
-    python experiments/backend_agreement/figure.py      # writes experiments/backend_agreement/backends.png
+python experiments/backend_agreement/figure.py      # writes experiments/backend_agreement/backends.png
 """
 
 from __future__ import annotations
