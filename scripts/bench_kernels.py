@@ -89,7 +89,7 @@ def rotary(D: int, device):
     return RopeHelper(LlamaRotaryEmbedding(cfg).to(device))
 
 
-# (label, rope, batch, left-padded): the fast path's configurations (issue 14). Padded batches: row b has b/B of
+# (label, rope, batch, left-padded): the configurations the fast path serves. Padded batches: row b has b/B of
 # the context as left padding (its prompt is shorter), as lm-eval's batches of unequal prompts are.
 ATTN_CASES = [("post", "post", 1, False), ("pre", "pre", 1, False), ("post-b8", "post", 8, False),
               ("padded-b4", "post", 4, True), ("padded-b4-pre", "pre", 4, True)]  # fmt: skip

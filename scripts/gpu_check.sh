@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU check of the Triton kernels (issue 14): the one script a session runs when the `device` tool lends a GPU.
-# About 5-8 minutes on an H200 (each step has a time limit, 515 s in all); results go to experiments/kernels/.
+# The GPU check of the Triton kernels and the packed cache on CUDA, for a machine with a GPU but no network and no model
+# weights. About 5-8 minutes on an H200 (each step has a time limit, 515 s in all); results go to experiments/kernels/.
 #
-#   1. here, once per session (no GPU; copies ~17 MB into the git-ignored .gpu_carry/):
+#   1. on the development machine (no GPU needed; copies ~17 MB into the git-ignored .gpu_carry/):
 #          bash scripts/gpu_check.sh prepare
-#   2. the device tool (a GPU), from the repo root:
-#          run(command="bash scripts/gpu_check.sh", carry=[".gpu_carry"], timeout_s=570)
-#   3. here: copy the returned files (files_at) into experiments/kernels/gpu_check/, read log.txt, commit.
+#   2. on the GPU machine, in a copy of the working tree that includes .gpu_carry/, from the repo root (570 s is
+#      enough):
+#          bash scripts/gpu_check.sh OUT_FOLDER         (or with $OUT set)
+#   3. back on the development machine: copy OUT_FOLDER's files into experiments/kernels/gpu_check/, read log.txt.
 #
-# On the GPU machine it writes into $OUT (or the folder given as $1), six files (the tool returns at most eight):
+# On the GPU machine it writes six files into the folder given as $1 (or $OUT):
 #   log.txt              versions, GPU, the carried commit, every step's output and exit status
 #   results.json         scripts/bench_kernels.py: quantize+pack vs a copy; fused decode attention vs fp16 SDPA at
 #   quantize_pack.png      4K-32K tokens for rope=post, rope=pre, batch 8 and left-padded batches of 4
@@ -18,7 +19,7 @@
 # Step 1 of the GPU run is pytest of tests/test_triton.py (the kernels compiled for CUDA, no interpreter) and
 # tests/test_fast_path.py (the C kernel, on that machine's CPU), output in log.txt.
 #
-# What cannot travel, and what stands in for it: the GPU machine has no network and the tool carries 64 MiB, so the
+# What cannot travel, and what stands in for it: the GPU machine has no network and takes 64 MiB of files, so the
 # SmolLM2-135M weights (94 MB GGUF, 517 MB converted) stay here. bench_cache runs a model of SmolLM2-135M's exact
 # architecture (its config.json and tokenizer, carried) with random weights: the same shapes, bytes and kernels, so
 # the same speed; greedy tokens of random weights say nothing about quality ("same greedy tokens" lines: ignore).

@@ -1,11 +1,16 @@
-"""Drift and refusal table of this study's records -> table.md (run from the repo root:
-python experiments/behavior/make_table.py)."""
+"""Drift and refusal table of this study's records -> table.md, and the drift per cache -> drift.png (run from the
+repo root: python experiments/behavior/make_table.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvq_lab.records.record import load_records
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvq_lab.records.record import load_records  # noqa: E402
 
 HERE = Path(__file__).parent
 COLS = ("refusal_rate", "ref_refusal_rate", "refusal_flips", "identical", "prefix_tokens", "rouge_l")
@@ -25,6 +30,24 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     (HERE / "table.md").write_text(table)
     print(table)
+    figure(rows)
+
+
+def figure(rows: dict[str, dict]) -> None:
+    """Per cache, how much of the 16-bit answer survives: ROUGE-L and the common prefix, harmful and neutral prompts."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    labels = list(rows)
+    panels = (("rouge_l", "ROUGE-L vs 16-bit"), ("prefix_tokens", "common prefix (tokens)"))
+    for ax, (metric, name) in zip(axes, panels, strict=True):
+        for j, prompts in enumerate(("harmful", "neutral")):
+            values = [rows[c]["metrics"][f"behavior/{prompts}/{metric}"] for c in labels]
+            ax.bar([i + 0.4 * j for i in range(len(labels))], values, width=0.4, label=f"{prompts} prompts")
+        ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=7)
+        ax.set_title(name, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M-Instruct, greedy 48 tokens, 20 prompts a set", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(HERE / "drift.png", dpi=100)
 
 
 if __name__ == "__main__":

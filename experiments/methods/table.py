@@ -22,7 +22,7 @@ from kvq_lab.report.tables import mean_se, paired_difference  # noqa: E402
 
 BASELINE = "K2b-C32_V2b-T32_pac_R128"  # KIVI int2 K-C/V-T: the row every CoQA difference is paired against
 
-NAMES = {  # cache label -> the row's name in the issue's words
+NAMES = {  # cache label -> the row's name in the papers' words
     "K16b_V16b_pac_R128": "16-bit",
     "K2b-C32_V2b-T32_pac_R128": "KIVI int2 K-C/V-T",
     "K2b-C32_V2b-T32_pac_R128_preRoPE": "int2 K-C/V-T, keys pre-RoPE",
@@ -38,7 +38,7 @@ NAMES = {  # cache label -> the row's name in the issue's words
     "K2b-T32_V2b-T32_pac_R128_Kinnerq0.25": "int2 K-T + innerq:0.25 (partial scale)",
 }
 
-CONTRASTS = [  # (a, b): the seed's claims as paired CoQA differences, b minus a, over the turns both scored
+CONTRASTS = [  # (a, b): the papers' claims as paired CoQA differences, b minus a, over the turns both scored
     ("K2b-C32_V2b-T32_pac_R128", "K2b-C32_V2b-T32_pac_R128_preRoPE"),
     ("K2b-T32_V2b-T32_pac_R128_Khad", "K2b-T32_V2b-T32_pac_R128_preRoPE_Khad32"),
     ("K2b-T32_V2b-T32_pac_R128_preRoPE_Khad32", "K2b-T32_V2b-T32_pac_R128_preRoPE_Krkv32"),
