@@ -268,8 +268,8 @@ def step_orders(n: int) -> list[list[int]]:
     the orders every cache takes every place in the round equally often and comes right after every other cache
     equally often; the orders are put in a cycle where no round starts with the cache that ended the one before, so
     no cache ever takes two steps in a row. Why: with one fixed order (A, B, C, A, B, C, ...) the same cache measured
-    3-6% faster right after DynamicCache than later in the round (an A/A test, experiments/cache_speed/README.md), a
-    bias that the ratios between caches carried."""
+    3-6% faster right after DynamicCache than later in the round (an A/A test, the benchmark notes, `git show
+    8e8c818:experiments/cache_speed/README.md`), a bias that the ratios between caches carried."""
     if n < 3:  # one cache, or two that alternate (each always after the other: balanced already)
         return [list(range(n))]
     first, lo, hi = [0], 1, n - 1
@@ -303,7 +303,7 @@ def paired_ratio(a: list[dict], b: list[dict]) -> float:
     right after the other), so that a change of the machine's speed that lasts a round or more cancels. The `ratio`
     of medians compares steps of different rounds; on a machine whose speed moves by 20% from second to second the
     paired ratio is the steadier (two caches of one configuration: within 2% paired where the medians differed by up
-    to 7%, experiments/cache_speed/README.md)."""
+    to 7%, the benchmark notes, `git show 8e8c818:experiments/cache_speed/README.md`)."""
     return statistics.median(
         ta / tb for ra, rb in zip(a, b, strict=True) for ta, tb in zip(ra["step_s"], rb["step_s"], strict=True)
     )

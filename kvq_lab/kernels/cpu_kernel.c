@@ -12,7 +12,7 @@ values the weighted sum with 64 outputs held in registers across the sub-block (
 cache's size is ever written, so the step's memory traffic is the packed bytes, not a dequantized copy of K and V.
 Sums keep their order (each output element adds its rows in position order, each score its 16 partial sums in a
 fixed fold, each sum of exps its positions in order), so a restructuring of the loops changes no bit of the output
-(checked against the previous version on SmolLM2's cache, experiments/cache_speed/README.md). The dequantized
+(checked against the previous version on SmolLM2's cache, the cache speed notes at 8e8c818). The dequantized
 values are bit for bit those of the PyTorch path (`kvq_lab.kernels.torch_path._assemble`: `table[code] * scale +
 zero` with two roundings, so the build uses -ffp-contract=off); scores, softmax and sums differ from SDPA's only in
 fp32 rounding order.
@@ -45,14 +45,14 @@ before its dot products (`rope_row`; one by one as they are dequantized, from a 
 dequantized sub-block), from a shared table of the model's cos/sin at every position id ([P, D/2], the halves of
 transformers' duplicated cos/sin), in the reference's order of operations: k*cos + rotate_half(k)*sin, two products and
 one sum per element, no fma. A table read, not a sincos per row: the values the PyTorch path rotates with (it reads the
-same table), and no transcendental per row (measured in experiments/cache_speed/README.md). The rotation is split by
+same table), and no transcendental per row (measured in the cache speed notes at 8e8c818). The rotation is split by
 segment (KVQ_ROPE_SEG): the history rows of a segment, whose ids are base .. base + SEG - 1, are rotated at their
 offsets id - base (the table's first SEG rows, which stay in the L1 / L2 cache) and the query, once per segment and
 query head, by -base (`unrotate_query`): q . R(base + o) k = (R(base)^T q) . (R(o) k), since the rotations of one pair
 of channels commute. Per position, that reads 256 bytes of table (D = 64) per SEG rows instead of per row: one table
 pass per layer was more bytes than the 2-bit keys and values it rotates. SEG = 128 rows, not 32: with 32, the query
 rotations (r per segment) and the score runs cut at every segment end cost about a third of rope=pre's extra time
-(measured, experiments/cache_speed/README.md). The factors are the model's own table rows, so the product differs from
+(measured, the cache speed notes at 8e8c818). The factors are the model's own table rows, so the product differs from
 the reference's row at base + o only by fp32 rounding of the angles (transformers computes each angle as one fp32
 product inv_freq * id: up to half an ulp of it, ~2.4e-4 rad at ids near 8192 for the fastest pairs but the first, whose
 inv_freq is 1): as close to exact RoPE as the table is, far below a 2-bit key's error; tested against the PyTorch path
