@@ -24,13 +24,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_cache import TEXT, make_caches  # noqa: E402
 
+from kvq_lab.kernels import cpu_build as cb  # noqa: E402
 from kvq_lab.kernels import cpu_kernel as ck  # noqa: E402
 from kvq_lab.models import cache_kwarg, load_model  # noqa: E402
 
 
 def build(source: Path):
-    ck.SOURCE, ck._LIB, ck._ERROR = source, None, None
-    return ck.load()
+    cb.SOURCE, cb._LIB, cb._ERROR = source, None, None
+    return cb.load()
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
     tmp = Path(tempfile.mkdtemp()) / "cpu_kernel_base.c"
     tmp.write_text(old_src)
-    new_source = ck.SOURCE
+    new_source = cb.SOURCE
     libs = {args.base: build(tmp), "this tree": build(new_source)}
     model, tok = load_model("smollm2-135m", dtype=torch.float32, device="cpu")
     text = tok(TEXT * (40 + max(args.lengths) // 20), return_tensors="pt").input_ids
@@ -60,11 +61,11 @@ def main() -> None:
             views = [layer.decode_view() for layer in cache.layers]
             outs, times = {}, {k: [] for k in libs}
             for name, lib in libs.items():
-                ck._LIB = lib
+                cb._LIB = lib
                 outs[name] = [ck.decode_attention(v, q, None, 0.125) for v in views]
             for _ in range(args.calls):
                 for name, lib in libs.items():
-                    ck._LIB = lib
+                    cb._LIB = lib
                     t = time.perf_counter()
                     for v in views:
                         ck.decode_attention(v, q, None, 0.125)

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from bench_cache import TEXT, make_caches  # noqa: E402
 
-from kvq_lab.kernels import cpu_kernel as ck  # noqa: E402
+from kvq_lab.kernels import cpu_build as cb  # noqa: E402
 from kvq_lab.models import cache_kwarg, load_model  # noqa: E402
 
 KINDS = {
@@ -57,9 +57,9 @@ class Timed:
 
 def build_kernel(src: Path):
     """The CPU kernel library built from the source `src` (any cpu_kernel.c variant), loaded; it is also left as the
-    library `cpu_kernel` calls until `ck._LIB` is set to another."""
-    ck.SOURCE, ck._LIB, ck._ERROR = src, None, None
-    return ck.load()
+    library `cpu_kernel` calls until `cb._LIB` is set to another."""
+    cb.SOURCE, cb._LIB, cb._ERROR = src, None, None
+    return cb.load()
 
 
 def main() -> None:
@@ -88,14 +88,14 @@ def main() -> None:
     runs = []
     with torch.no_grad():
         for name, kind, src in pairs:
-            ck._LIB = libs[src]
+            cb._LIB = libs[src]
             row = next(r for r in rows if r.label == f"ours packed {KINDS[kind]}")
             kw = {cache_kwarg(): row.make(), "use_cache": True}
             nxt = model(ids, **kw).logits[:, -1:].argmax(-1)
             runs.append({"name": name, "kw": kw, "next": nxt, "lib": libs[src], "step": [], "c": [], "tokens": []})
         for _ in range(3 + args.steps):
             for r in runs:
-                ck._LIB, r["lib"].seconds = r["lib"], 0.0
+                cb._LIB, r["lib"].seconds = r["lib"], 0.0
                 t = time.perf_counter()
                 r["next"] = model(r["next"], **r["kw"]).logits[:, -1:].argmax(-1)
                 r["step"].append(time.perf_counter() - t)

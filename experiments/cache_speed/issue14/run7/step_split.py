@@ -27,7 +27,7 @@ from inmodel_ab import Timed  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 from kvq_lab.cache import attention, packed  # noqa: E402
-from kvq_lab.kernels import cpu_kernel  # noqa: E402
+from kvq_lab.kernels import cpu_build  # noqa: E402
 from kvq_lab.models import cache_kwarg, load_model  # noqa: E402
 
 PARTS = ("update", "attention")
@@ -57,7 +57,7 @@ def instrument(acc: dict[str, float]) -> Timed:
             acc["attention"] += clock() - t
 
     ALL_ATTENTION_FUNCTIONS.register(attention.ATTN_NAME, timed_attention)
-    lib = cpu_kernel._LIB = Timed(cpu_kernel.load())
+    lib = cpu_build._LIB = Timed(cpu_build.load())
     return lib
 
 

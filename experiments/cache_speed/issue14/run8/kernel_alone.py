@@ -40,6 +40,7 @@ sys.path[:0] = [
 from inmodel_ab import build_kernel  # noqa: E402
 from test_fast_path import layer_of  # noqa: E402
 
+from kvq_lab.kernels import cpu_build as cb  # noqa: E402
 from kvq_lab.kernels import cpu_kernel as ck  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     for _ in range(5 + args.calls):
         for i, lib in enumerate(libs):
             for r, view in views.items():
-                ck._LIB = lib
+                cb._LIB = lib
                 t = time.perf_counter()
                 outs[i, r] = ck.decode_attention(view, q, None, 0.125)
                 times[i, r].append(time.perf_counter() - t)
