@@ -172,6 +172,7 @@ def _quantize_pack_kernel(
 
 
 def _tile(spec: QuantSpec) -> int:
+    """Positions per program: whole blocks, and whole groups of G tokens (a group's min/max is one program's)."""
     return max(BLOCK, spec.group_size) if spec.axis == "channel" else BLOCK
 
 
