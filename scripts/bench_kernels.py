@@ -42,7 +42,7 @@ def cuda_time(fn, warmup=5, repeats=30) -> float:
 
 
 def bench_quantize(lengths, H=8, D=128):
-    from kvq_lab.kernels import triton_kernels as tk
+    from kvq_lab.kernels import triton as tk
     from kvq_lab.quant.spec import QuantSpec
 
     rows = []
@@ -100,7 +100,7 @@ def bench_attention(lengths, cases, Hq=32, Hkv=8, D=128):
     from kvq_lab.cache import CacheConfig
     from kvq_lab.cache.base import PaddingState
     from kvq_lab.cache.packed import PackedLayer
-    from kvq_lab.kernels import triton_kernels as tk
+    from kvq_lab.kernels import triton as tk
     from kvq_lab.quant.spec import QuantSpec
 
     rope_helper = rotary(D, DEV)

@@ -14,7 +14,7 @@ from kvq_lab.cache import backends as backends_mod
 from kvq_lab.cache.backends import get_backend
 from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.kernels import cpu_kernel
+from kvq_lab.kernels import cpu_build, cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, get_format
 from kvq_lab.quant.spec import QuantSpec
@@ -75,8 +75,8 @@ def portable_build(monkeypatch, tmp_path) -> None:
     """Make the next kernel call build and load `-DKVQ_PORTABLE` (plain C, no x86 intrinsics) into tmp_path."""
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_ERROR", None)
 
 
 def test_portable_build_matches(monkeypatch, tmp_path):
@@ -216,8 +216,8 @@ def no_compiler(monkeypatch, tmp_path):
     """A fresh kernel cache dir, no loaded kernel, and a C compiler that does not exist."""
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_ERROR", None)
     monkeypatch.setattr(backends_mod, "_WARNED", set())
 
 
@@ -239,8 +239,8 @@ def test_failed_build_names_the_fix(monkeypatch, tmp_path):
     cc.chmod(0o755)
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_ERROR", None)
     with pytest.raises(cpu_kernel.KernelBuildError, match="set backend=torch") as e:
         cpu_kernel.load()
     assert "no such instruction" in str(e.value)  # the compiler's own words come with it
@@ -256,13 +256,13 @@ def test_backend_cpu_without_compiler_fails_before_model_load(no_compiler):
 
 def test_kernel_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", None)
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_ERROR", None)
     cpu_kernel.load()
     built = list(tmp_path.glob("cpu_kernel-*.so"))
     assert len(built) == 1
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_compile", lambda out: pytest.fail("rebuilt although cached"))
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_compile", lambda out: pytest.fail("rebuilt although cached"))
     cpu_kernel.load()
 
 

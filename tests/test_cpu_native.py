@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq_lab.kernels import cpu_kernel, cpu_native
+from kvq_lab.kernels import cpu_build, cpu_kernel, cpu_native
 from kvq_lab.quant.transforms import hadamard
 
 pytestmark = pytest.mark.skipif(cpu_kernel.build_error() is not None, reason="no C compiler: no CPU kernel")
@@ -88,8 +88,8 @@ def test_native_hadamard_declines_once_the_build_failed(monkeypatch):
     transform computes the same bits in PyTorch: no KernelBuildError from the middle of a forward."""
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(7))
     assert cpu_native.fwht(x, 64, 0.125) is not None  # the layout is known now
-    monkeypatch.setattr(cpu_kernel, "_LIB", None)
-    monkeypatch.setattr(cpu_kernel, "_ERROR", cpu_kernel.KernelBuildError("no compiler"))
+    monkeypatch.setattr(cpu_build, "_LIB", None)
+    monkeypatch.setattr(cpu_build, "_ERROR", cpu_kernel.KernelBuildError("no compiler"))
     assert cpu_kernel.failed()
     assert cpu_native.fwht(x, 64, 0.125) is None and cpu_native.fwht_pair(x, -x, 64, 0.125) is None
     assert torch.equal(hadamard.Hadamard().forward(x), hadamard.fwht(x, 64) * 64**-0.5)

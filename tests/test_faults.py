@@ -91,15 +91,15 @@ def test_a_changed_calibration_fit_is_named_and_fitted_again(tiny_model_dir, dat
 
 
 def test_a_changed_kernel_library_is_named_and_rebuilt(caches, capsys):
-    from kvq_lab.kernels import cpu_kernel
+    from kvq_lab.kernels import cpu_build
 
-    so = cpu_kernel._built()
+    so = cpu_build._built()
     digest = integrity.verify_file(so)
     so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
-    assert cpu_kernel._built() == so and integrity.verify_file(so) == digest  # rebuilt whole, not loaded half
+    assert cpu_build._built() == so and integrity.verify_file(so) == digest  # rebuilt whole, not loaded half
     assert f"{so} does not match its digest" in capsys.readouterr().err
     integrity.sidecar(so).unlink()  # a library from before digests: rebuilt too
-    assert cpu_kernel._built() == so and "has no digest beside it" in capsys.readouterr().err
+    assert cpu_build._built() == so and "has no digest beside it" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # two subprocesses: ~20 s

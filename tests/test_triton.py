@@ -40,8 +40,9 @@ from kvq_lab.cache.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.cache.base import PaddingState  # noqa: E402
 from kvq_lab.cache.packed import PackedLayer  # noqa: E402
 from kvq_lab.kernels import cpu_kernel  # noqa: E402
-from kvq_lab.kernels import triton_kernels as tk  # noqa: E402
+from kvq_lab.kernels import triton as tk  # noqa: E402
 from kvq_lab.kernels.torch_path import decode_attention_torch  # noqa: E402
+from kvq_lab.kernels.triton import attention as tk_attention  # noqa: E402
 from kvq_lab.quant.pack import PackedQTensor  # noqa: E402
 from kvq_lab.quant.reference import dequantize, quantize  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
@@ -375,11 +376,11 @@ def test_what_the_kernel_refuses():
     if DEV == "cpu":
         with pytest.raises(ValueError, match="position ids outside the RopeView table"):
             tk.decode_attention(bad, q, None, 0.125)
-        tk._check_rope_ids, real = (lambda view: None), tk._check_rope_ids
+        tk_attention._check_rope_ids, real = (lambda view: None), tk_attention._check_rope_ids
         try:
             assert tk.decode_attention(bad, q, None, 0.125).isnan().all()
         finally:
-            tk._check_rope_ids = real
+            tk_attention._check_rope_ids = real
     else:
         assert tk.decode_attention(bad, q, None, 0.125).isnan().all()
 

@@ -27,7 +27,8 @@ from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.kernels import triton_kernels as tk
+from kvq_lab.kernels import triton as tk
+from kvq_lab.kernels.triton import attention, dequantize, quantize
 from kvq_lab.quant.formats import default_bits
 from kvq_lab.quant.spec import QuantSpec
 from transformers import LlamaConfig
@@ -44,8 +45,9 @@ class Capture:  # stands for a @triton.jit kernel: kernel[grid](...) records the
         return lambda *args, **kw: launches.append((self.fn, args, kw))
 
 
-for name in ("_decode_attn_kernel", "_combine_kernel", "_dequant_kernel", "_quantize_pack_kernel"):
-    setattr(tk, name, Capture(getattr(tk, name)))
+for module, name in ((attention, "_decode_attn_kernel"), (attention, "_combine_kernel"),
+                     (dequantize, "_dequant_kernel"), (quantize, "_quantize_pack_kernel")):
+    setattr(module, name, Capture(getattr(module, name)))
 os.environ["TRITON_INTERPRET"] = "1"  # now that the kernels are JIT functions: supports() takes CPU tensors
 
 def view_of(dtype, rope, pads, key, value, D):

@@ -99,7 +99,7 @@ class CpuBackend(TorchBackend):
 
 
 class TritonBackend:
-    """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton_kernels`
+    """`backend=triton`: the packed cache quantizes, dequantizes and attends with `kvq_lab.kernels.triton`
     (decode attention: rope=pre keys rotated in the kernel, left-padded rows, fp32 / fp16 / bf16 models)."""
 
     name = "triton"
@@ -107,7 +107,7 @@ class TritonBackend:
 
     @staticmethod
     def write(store, x, t0, valid, rows):
-        from kvq_lab.kernels import triton_kernels as tk
+        from kvq_lab.kernels import triton as tk
 
         if not tk.quantizes(store.spec):  # other formats: the reference's quantization, the same bits
             return TorchBackend.write(store, x, t0, valid, rows)
@@ -117,13 +117,13 @@ class TritonBackend:
 
     @staticmethod
     def dequantize(codes, scale, zero, spec, n):
-        from kvq_lab.kernels import triton_kernels as tk
+        from kvq_lab.kernels import triton as tk
 
         return tk.unpack_dequantize(codes, scale, zero, spec, n)
 
     @staticmethod
     def decode_attention(view, query, mask, scaling):
-        from kvq_lab.kernels import triton_kernels as tk
+        from kvq_lab.kernels import triton as tk
 
         return tk.decode_attention(view, query, mask, scaling)
 
@@ -174,7 +174,7 @@ def resolve(cache, width: int | None = None) -> str | None:
             if name == "cpu":
                 from kvq_lab.kernels import cpu_kernel as _  # noqa: F401  (declares the formats it reads)
             else:
-                from kvq_lab.kernels import triton_kernels as _  # noqa: F401
+                from kvq_lab.kernels import triton as _  # noqa: F401
             if unsupported_formats(name, specs):
                 return "torch"
     if cache.mode == "packed" and (cache.outliers("key") is not None or cache.outliers("value") is not None):
@@ -201,7 +201,7 @@ def get_backend(name: str, specs: tuple[QuantSpec, ...] = ()) -> Backend:
         cpu_kernel.load()  # fail at cache creation, with the compiler's message, not in the middle of generate
         backend = CpuBackend
     elif chosen == "triton":
-        from kvq_lab.kernels import triton_kernels  # noqa: F401  (fail at cache creation if Triton is missing)
+        from kvq_lab.kernels import triton  # noqa: F401  (fail at cache creation if Triton is missing)
 
         backend = TritonBackend
     else:

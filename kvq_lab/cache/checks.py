@@ -53,7 +53,7 @@ def check_backend_formats(cache: CacheConfig) -> None:
     if cache.backend == "cpu":
         from kvq_lab.kernels import cpu_kernel  # noqa: F401  (declares the formats it reads)
     else:
-        from kvq_lab.kernels import triton_kernels  # noqa: F401
+        from kvq_lab.kernels import triton  # noqa: F401
     try:
         check_formats(cache.backend, specs)
     except QuantConfigError as e:

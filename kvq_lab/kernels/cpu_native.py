@@ -1,7 +1,7 @@
 """The CPU kernel library's helpers besides decode attention, one native call each where PyTorch takes several ops:
 the caches' check that every new key and value is finite (`all_finite`), and the Walsh-Hadamard transform of the
 `hadamard` transform (`fwht`, `fwht_pair`, registered with it for CPU tensors). Same library as `cpu_kernel`
-(`cpu_kernel.load`: built on first use). `all_finite` is the CPU backend's, which loads the library when a cache is
+(`cpu_build.load`: built on first use). `all_finite` is the CPU backend's, which loads the library when a cache is
 made; where the library does not build, `fwht` and `fwht_pair` decline (None) and the hadamard transform computes in
 PyTorch.
 """
@@ -14,7 +14,7 @@ import torch
 
 from kvq_lab.quant.transforms.hadamard import register_fast
 
-from . import cpu_kernel, torch_path
+from . import cpu_build, torch_path
 
 __all__ = ["all_finite", "fwht", "fwht_pair"]
 
@@ -23,9 +23,9 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     """`torch_path.all_finite`'s twin: whether no element is NaN or inf, read from the exponent bits in one native call
     per dense fp32 / fp16 / bf16 CPU tensor (exact); other tensors are summed in PyTorch. The caches check every new
     key and value with it, per layer and step: two PyTorch sums and conversions cost more there than the C call."""
-    fn = cpu_kernel.load().kvq_any_nonfinite
+    fn = cpu_build.load().kvq_any_nonfinite
     for t in tensors:
-        code = cpu_kernel.DTYPES.get(t.dtype)
+        code = cpu_build.DTYPES.get(t.dtype)
         if code is None or not t.is_cpu or not _dense(t):
             if not torch_path.all_finite(t):
                 return False
@@ -77,7 +77,7 @@ def _fwht_blocks(scale: float, *fields: int) -> None:
     """One `kvq_fwht_blocks` call over the consecutive blocks of 14 integers in `fields` (src, dst, then a layout of
     `_fwht_layout` with its output strides)."""
     block = array.array("q", fields)  # lives until the call returns
-    cpu_kernel.load().kvq_fwht_blocks(block.buffer_info()[0], len(fields) // 14, scale)
+    cpu_build.load().kvq_fwht_blocks(block.buffer_info()[0], len(fields) // 14, scale)
 
 
 def _fp32_rows(y: torch.Tensor, like: torch.Tensor) -> bool:
@@ -98,7 +98,7 @@ def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
     """dtype, n0, n1, n2, s0, s1, s2, D, n, t0, t1, t2 of `kvq_fwht_blocks`' block for x (its rows as up to three
     leading dims with their strides; t: the strides of a new contiguous output), kept per dtype, shape, strides and
     n; None where the native transform cannot take x."""
-    if cpu_kernel.failed() or not x.is_cpu:
+    if cpu_build.failed() or not x.is_cpu:
         return None
     key = (x.dtype, x.shape, x.stride(), n)
     layout = _FWHT_LAYOUTS.get(key, False)
@@ -110,12 +110,12 @@ def _fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
 
 
 def _new_fwht_layout(x: torch.Tensor, n: int) -> tuple[int, ...] | None:
-    code = cpu_kernel.DTYPES.get(x.dtype)
+    code = cpu_build.DTYPES.get(x.dtype)
     if code is None or x.dim() > 4 or (x.numel() and x.stride(-1) != 1):
         return None
     try:
-        cpu_kernel.load()
-    except cpu_kernel.KernelBuildError:
+        cpu_build.load()
+    except cpu_build.KernelBuildError:
         return None
     pad = 4 - x.dim()
     lead, strides = (1,) * pad + x.shape[:-1], (0,) * pad + x.stride()[:-1]

@@ -2,7 +2,7 @@
 
 The cache builds a `DecodeView` from its layer at each fused decode step (`PackedLayer.decode_view`); every decode
 attention here (`torch_path.decode_attention_torch`, `cpu_kernel.decode_attention`,
-`triton_kernels.decode_attention`) takes that view and the query, and nothing else of the cache.
+`triton.decode_attention`) takes that view and the query, and nothing else of the cache.
 
 Positions of one tensor (keys or values) of a batch without padding, with S = `sink_tokens` and s = min(S, N):
 

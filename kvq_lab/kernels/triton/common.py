@@ -1,0 +1,56 @@
+"""What the Triton kernels share: the packed layout's reader, the code formats' values, the shape check.
+
+Layout (see `kvq_lab/quant/pack.py`): a tensor's codes are stored along tokens in blocks of BLOCK = 32 tokens;
+a block is `U` planes of `M = BLOCK / U` tokens, and word (r, d) holds the codes of tokens r, r + M, ... of the
+block, `BITS` bits each, least significant first, as `NB` little-endian bytes stored in `NB` byte planes:
+
+    packed[b, h, blk * NB * M + j * M + r, d] = byte j of word (blk, r, d)        j < NB, r < M
+
+Parameters are fp16: [B, H, T, D/G] for per-token groups (along channels), [B, H, T/G, D] for per-channel groups
+(along tokens).
+
+Code formats (`kvq_lab.quant.formats`): a code's value before scale and zero is one gather from the format's fp32
+table of 2^bits entries (HAS_TABLE; int's codes are their own values and skip it), so every kernel that reads codes
+reads every format: declared here, where the gather is.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kvq_lab.quant.formats import EVERY_FORMAT, add_kernel_support
+from kvq_lab.quant.spec import QuantSpec
+
+# dequantization and decode attention load table[code] for any fp32 table of 2^bits entries: every code format
+add_kernel_support("triton", EVERY_FORMAT)
+
+
+def check_power_of_two(spec: QuantSpec, D: int) -> None:
+    """The kernels tile groups and channels with `tl.arange`, whose lengths are powers of two."""
+    G = spec.group_size
+    if G & (G - 1) or D & (D - 1):
+        raise ValueError(f"the Triton kernels need power-of-two group size and head dim (G={G}, D={D})")
+
+
+@triton.jit
+def load_codes(p_ptr, i, valid, spr, d, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr):
+    """Codes int32 [len(i), len(d)] of storage positions i and channels d (any order) from packed storage at p_ptr
+    (row stride spr)."""
+    blk = i // BLK
+    w_in = i % BLK
+    plane = w_in // M
+    row = blk * (NB * M) + w_in % M
+    word = tl.load(p_ptr + row[:, None] * spr + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    for j in tl.static_range(1, NB):
+        byte = tl.load(p_ptr + (row + j * M)[:, None] * spr + d[None, :], mask=valid[:, None], other=0)
+        word = word | (byte.to(tl.int32) << (8 * j))
+    return (word >> (plane * BITS)[:, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def code_values(c, t_ptr, ok, HAS_TABLE: tl.constexpr):
+    """The value of each code (int32 [rows, D]) before scale and zero: table[c] (fp32), or c itself (int)."""
+    if HAS_TABLE:
+        return tl.load(t_ptr + c, mask=ok[:, None], other=0.0)
+    return c.to(tl.float32)
