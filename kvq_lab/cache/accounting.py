@@ -1,14 +1,15 @@
 """Bits per element of everything a cache config stores, so methods compare at equal memory.
 
 `cache/bits*` (`kvq_lab.run.runner.cache_bits`) is the format's own cost: codes + per-group parameters. The totals here
-add what the methods of issue 10 store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
+add what the methods store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
 
     exact tokens     sink_tokens, plus residual_length in packed mode (the window: R tokens at its fullest), 16 bits
     quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
                      of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
-    per layer        a fitted lut/nuq codebook (fp32, 2^bits entries), key outlier thresholds (fp16, H * D),
-                     innerq scales (fp16, H * D), rotatekv channel orders (1 byte, H * D)
+    per layer        the format's table where it stores one (`CodeFormat.table_bytes`: a lut/nuq codebook, fp32,
+                     2^bits entries), key outlier thresholds (fp16, H * D), and what each transform stores
+                     (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders, 1 byte, H * D)
 
 averaged over the layers (their fitted configs where calibration made them). N: the task's sequence length where
 it has one (task=ppl: context_tokens + eval_tokens), else 1024; reported as `cache/bits_tokens`.
@@ -40,12 +41,10 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     if f:
         share = f if tensor == "key" else max(1, round(f * head_dim)) / head_dim
         bits += quant * share * 8 * entry_bytes()
-    per_layer = 8 * fmt.table_bytes if spec.format in ("lut", "nuq") else 0  # bytes -> bits, over H*N*D elements
+    per_layer = 8 * fmt.table_bytes  # bytes -> bits, over H*N*D elements
     if tensor == "key" and cache.key_outlier_thresholds is not None:
         per_layer += 16 * heads * head_dim
-    for s in getattr(cache, f"{tensor}_transform"):
-        name = get_transform(s).name
-        per_layer += {"innerq": 16, "rotatekv": 8}.get(name, 0) * heads * head_dim
+    per_layer += sum(get_transform(s).stored_bits(heads, head_dim) for s in getattr(cache, f"{tensor}_transform"))
     return bits / n_tokens + per_layer / (heads * n_tokens * head_dim)
 
 

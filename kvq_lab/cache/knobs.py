@@ -151,7 +151,7 @@ def _code(k: Mapping, tensor: str) -> tuple[str, int]:
             get_format(fmt, bits, bname, fname)
         else:  # the name must still exist; the identity has no format, so 16 bits is one cache however spelled
             default_bits(fmt, fname)
-            if not getattr(FORMATS[fmt], "allows_identity", True):  # nuq: 16 bits would fit nothing
+            if not FORMATS[fmt].allows_identity:  # nuq: 16 bits would fit nothing
                 check_bits(fmt, bits, bname, fname)
             return DEFAULT_FORMAT, bits
         return fmt, bits

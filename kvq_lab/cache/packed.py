@@ -77,8 +77,6 @@ import weakref
 import torch
 
 from kvq_lab.kernels.view import DecodeView, RopeView
-from kvq_lab.quant.transforms.hadamard import Hadamard
-from kvq_lab.quant.transforms.rope_pre import RopePre
 
 from .attention import PackedKV, route_model
 from .backends import get_backend
@@ -277,9 +275,8 @@ class PackedLayer(QuantizedLayerBase):
         D = self.sink_k.shape[-1]
 
         def block(pipe) -> int:
-            if pipe is None or len(pipe.transforms) != 1 or not isinstance(pipe.transforms[0], Hadamard):
-                return 0
-            return pipe.transforms[0].block or D
+            t = _in_kernel(pipe, "hadamard")
+            return 0 if t is None else t.block or D
 
         nk, nv = block(self.k_pipe), block(self.v_pipe)
         return (nk, nv) if nk or nv else None
@@ -310,7 +307,7 @@ class PackedLayer(QuantizedLayerBase):
         if rv is not None and rv.pos is log.ids and log.top < rv.cos.shape[0]:
             return rv
         kp, vp = self.k_pipe, self.v_pipe
-        if kp is None or len(kp.transforms) != 1 or not isinstance(kp.transforms[0], RopePre) or self.rope is None:
+        if _in_kernel(kp, "rope") is None or self.rope is None:
             return None
         if vp is not None and not vp.foldable:
             return None
@@ -419,3 +416,11 @@ class PackedLayer(QuantizedLayerBase):
 
     def crop(self, max_length):
         raise NotImplementedError("the packed cache cannot be cropped (quantized history is final)")
+
+
+def _in_kernel(pipe, feature: str):
+    """The pipeline's transform when it is the only one and the kernel feature `feature` applies it
+    (`Transform.kernel_feature`), else None."""
+    if pipe is None or len(pipe.transforms) != 1 or pipe.transforms[0].kernel_feature != feature:
+        return None
+    return pipe.transforms[0]

@@ -1,7 +1,8 @@
 """Calibration: the data that fitted methods learn from, fitted once per (model, method, settings, code version).
 
-Fitted methods (`needs_calibration`): `nuq` codebooks (KVQuant), key outlier thresholds (`key_outliers`), and the
-fitted transforms `innerq` and `rotatekv`. One mechanism serves all of them:
+Fitted methods (`needs_calibration`): fitted formats (`CodeFormat.fitted`: nuq codebooks, KVQuant), key outlier
+thresholds (`key_outliers`), and fitted transforms (`Transform.fitted`: innerq, rotatekv). One mechanism serves all
+of them:
 
 1. Text (`calibration.source`), never the evaluated text:
    - `gsm8k_train` (default): GSM8K *train* questions and answers (`<data_dir>/gsm8k/train.jsonl`, else the hub's
@@ -18,10 +19,10 @@ fitted transforms `innerq` and `rotatekv`. One mechanism serves all of them:
 3. Fit (`fit`), per layer and tensor, in the order the quantizer sees the tensor: the transforms in their order
    (a fitted one fits on the tensor as it arrives there: rotatekv after rope_pre sees pre-RoPE keys), gradients
    mapped alongside (g M^-T: `fold_query` of a foldable map, `forward` of rope_pre, both exact for these maps);
-   then key outlier thresholds (`kvq_lab.quant.outliers.fit_thresholds`); then the nuq codebook on the group-
-   normalized values u with weights g^2 * range^2, outliers excluded (`kvq_lab.quant.formats.nuq`).
-   The result is a `CacheConfig` with one config per layer (`layers`): nuq becomes `lut` with the fitted
-   codebook, fitted transforms are named by their `name@digest` spellings.
+   then key outlier thresholds (`kvq_lab.quant.outliers.fit_thresholds`); then a fitted format's `fit` (nuq: a
+   codebook on the group-normalized values with weights g^2 * range^2, outliers excluded).
+   The result is a `CacheConfig` with one config per layer (`layers`): a fitted format becomes the spec its `fit`
+   returns (nuq: `lut` with the fitted codebook), fitted transforms are named by their `name@digest` spellings.
 4. Cache: `~/.cache/kvq_lab/calibration/<hash>.pt` ($KVQ_CALIBRATION_CACHE), the hash over the model's identity,
    the method's settings (the cache config), the calibration settings and text, and kvq_lab's code version; written
    with its digest beside it and verified on every read (a changed or truncated fit is named and fitted again).
@@ -45,6 +46,7 @@ from typing import Any
 
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.quant.formats import FORMATS
 from kvq_lab.quant.transforms import TRANSFORMS, get_transform
 
 log = logging.getLogger("kvq_lab")
@@ -53,34 +55,27 @@ SOURCES = ("gsm8k_train", "coqa_stories", "file")
 DEFAULTS = {"source": "gsm8k_train", "path": None, "tokens": 2048, "chunk": 512}
 GSM8K_TRAIN = Path("gsm8k") / "train.jsonl"
 GSM8K_HUB = ("openai/gsm8k", "main", "train")
-MAX_FIT_VALUES = 400_000  # normalized values per layer and tensor handed to k-means (a seeded subsample beyond)
 
 
 def needs_calibration(cache: CacheConfig) -> bool:
-    """Some part of the cache is fitted on data: a nuq format, key outliers, or a fitted transform."""
-    if cache.key_outliers and not cache.key.is_identity:
-        return True
-    for spec in (cache.key, cache.value):
-        if not spec.is_identity and spec.format == "nuq":
-            return True
-    for s in (*cache.key_transform, *cache.value_transform):
-        if TRANSFORMS.get(s.partition(":")[0].partition("@")[0]) is not None and get_transform(s).fitted:
-            return True
-    return False
+    """Some part of the cache is fitted on data: a fitted format (nuq), key outliers, or a fitted transform."""
+    return what_is_fitted(cache) is not None
 
 
-def what_is_fitted(cache: CacheConfig) -> str:
-    """The knob that asks for calibration, for messages (`key_format=nuq`)."""
+def what_is_fitted(cache: CacheConfig) -> str | None:
+    """The first knob that asks for calibration, for messages (`key_format=nuq`); None when nothing is fitted.
+    Formats and transforms say whether they are fitted (their `fitted` flag); key outliers are a cache knob."""
     for t, spec in (("key", cache.key), ("value", cache.value)):
-        if not spec.is_identity and spec.format == "nuq":
-            return f"{t}_format=nuq"
-    if cache.key_outliers:
+        fmt = None if spec.is_identity else FORMATS.get(spec.format)
+        if fmt is not None and fmt.fitted:
+            return f"{t}_format={spec.format}"
+    if cache.key_outliers and not cache.key.is_identity:
         return f"key_outliers={cache.key_outliers:g}"
     for t in ("key", "value"):
         for s in getattr(cache, f"{t}_transform"):
-            if get_transform(s).fitted:
+            if TRANSFORMS.get(s.partition(":")[0].partition("@")[0]) is not None and get_transform(s).fitted:
                 return f"{t}_transform={s}"
-    return "nothing"
+    return None
 
 
 def settings(given: Mapping | None = None) -> dict[str, Any]:
@@ -251,34 +246,10 @@ def _grad_map(t, g, pos):
     return t.fold_query(g) if t.foldable else t.forward(g, pos)
 
 
-def _normalized(x, g, spec, mask):
-    """Group-normalized values u in [0, 1] and their weights g^2 * range^2 (the lut parameter rule, outliers out of
-    min/max and out of the fit): x, g [1, H, T, D] fp32, mask bool or None -> u, w fp32 [N]."""
-    import torch
-
-    from kvq_lab.quant.reference import _grouped
-
-    G = spec.group_size
-    T = x.shape[2] // G * G if spec.axis == "channel" else x.shape[2]
-    x, g = x[:, :, :T], g[:, :, :T]
-    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else ~mask[:, :, :T]
-    xg, gg, kg = _grouped(x, spec), _grouped(g, spec), _grouped(keep, spec)
-    mn = torch.where(kg, xg, float("inf")).amin(-1, keepdim=True)
-    mx = torch.where(kg, xg, -float("inf")).amax(-1, keepdim=True)
-    r = mx - mn
-    ok = kg & (r > 0)
-    u = ((xg - mn) / torch.where(r > 0, r, 1.0))[ok]
-    w = (gg.pow(2) * r.pow(2)).expand_as(xg)[ok]
-    return u, w
-
-
 def fit_layer(cache: CacheConfig, cap: dict[str, Any], rope) -> CacheConfig:
     """One decoder layer's config fitted on its captured tensors (see the module docstring, step 3)."""
-    import torch
-
-    from kvq_lab.quant.formats.nuq import fit_codebook
     from kvq_lab.quant.outliers import Outliers, fit_thresholds
-    from kvq_lab.quant.spec import QuantSpec
+    from kvq_lab.quant.reference import code_format
     from kvq_lab.quant.transforms.rope_pre import rotate
 
     pos = rope.positions(cap["key_pre"], cap["positions"]) if rope is not None else None
@@ -300,12 +271,9 @@ def fit_layer(cache: CacheConfig, cap: dict[str, Any], rope) -> CacheConfig:
             th = fit_thresholds(x, cache.key_outliers)
             changes["key_outlier_thresholds"] = th
             outliers = Outliers(cache.key_outliers, "channel", th)
-        if spec.format == "nuq":
-            u, w = _normalized(x, g, spec, None if outliers is None else outliers.mask(x))
-            if u.numel() > MAX_FIT_VALUES:
-                pick = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(0))[:MAX_FIT_VALUES]
-                u, w = u[pick], w[pick]
-            changes[tensor] = QuantSpec(spec.bits, spec.group_size, spec.axis, "lut", fit_codebook(u, w, spec.bits))
+        fmt = code_format(spec)
+        if fmt.fitted:
+            changes[tensor] = fmt.fit(spec, x, g, None if outliers is None else outliers.mask(x))
     return replace(cache, layers=(), **changes)
 
 

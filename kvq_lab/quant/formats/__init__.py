@@ -36,6 +36,9 @@ One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `f
         def quantize_groups(self, g, valid=None): ...   # -> codes, scale, zero (None if not in params)
         def error_bound(self, g, scale, zero): ...      # -> fp32 [..., n_groups, G], the worst case |x - x'|
 
+A format that stores a table once per layer says so in `table_bytes` (the byte accounting adds it); one fitted on
+calibration data sets `fitted = True` and implements `fit` (calibration calls it per layer; `nuq` is the example).
+
 `tests/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
 (round trip within its own `error_bound`, codes in range, the dequantize formula, adversarial inputs) with no
 test edit; `tests/test_format_matrix.py` runs it through the reference, simulated and packed caches and every
@@ -167,6 +170,8 @@ class CodeFormat(ABC):
     params: ClassVar[tuple[str, ...]] = ("scale", "zero")  # stored per group, fp16 each, in this order
     unsupported_backends: ClassVar[tuple[str, ...]] = ()  # backends that cannot read it although they read "*"
     codes_are_values: ClassVar[bool] = False  # table[c] == c: a kernel may use the code itself (int's fast path)
+    allows_identity: ClassVar[bool] = True  # bits=16 means "not quantized" (False: an error, as for a fitted format)
+    fitted: ClassVar[bool] = False  # fitted per layer on calibration data (`fit`): a config naming it calibrates
 
     def __post_init__(self):
         if self.name not in type(self).names:
@@ -188,6 +193,12 @@ class CodeFormat(ABC):
     def table_bytes(self) -> int:
         """Bytes of the table a store must hold once per tensor or layer: 0 where name and bits fix the table."""
         return 0
+
+    def fit(self, spec: QuantSpec, x: torch.Tensor, g: torch.Tensor, mask: torch.Tensor | None = None) -> QuantSpec:
+        """Fitted formats: the spec one layer stores once fitted on its calibration tensor x [1, H, T, D] fp32 (as the
+        quantizer sees it, after transforms), g the loss gradient with respect to x (Fisher weights g^2), mask
+        bool [1, H, T, D] of elements kept outside the format (outliers) or None. Others fit nothing: `spec`."""
+        return spec
 
     def supports(self, backend: str) -> bool:
         """Whether `backend` can read this format: the PyTorch path always; kernels declare what they read

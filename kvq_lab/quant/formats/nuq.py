@@ -17,8 +17,9 @@ t_last = 1 must be in the table: lut maps its first and last entries onto the gr
 
 Weights: KVQuant weights each element by a Fisher-information approximation, its squared gradient g^2 on the
 calibration text; the error that matters is in x = u * scale + zero, so an element's weight in u-space is
-g^2 * scale^2 (`kvq_lab.fit.calibration` computes both; any nonnegative weights work here). Initial levels: the
-weighted quantiles of u, so an empty level is rare; Lloyd's iterations only lower the weighted squared error.
+g^2 * scale^2 (`fit` computes both from what calibration captures; any nonnegative weights work here). Initial
+levels: the weighted quantiles of u, so an empty level is rare; Lloyd's iterations only lower the weighted squared
+error.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvq_lab.quant.formats import register_format
 from kvq_lab.quant.formats.lut import LUTFormat
 
 MIN_GAP = 1e-4  # fitted levels stay this far apart (lut needs strictly increasing entries in fp32)
+MAX_FIT_VALUES = 400_000  # normalized values per layer and tensor handed to k-means (a seeded subsample beyond)
 
 
 @register_format("nuq")
@@ -43,6 +45,37 @@ class NUQFormat(LUTFormat):
     supported_bits = (1, 2, 3, 4)
     default_bits = 3  # KVQuant's headline width
     allows_identity = False  # nuq at 16 bits would fit nothing: an error, not a silent fp16 cache
+    fitted = True
+
+    def fit(self, spec, x, g, mask=None):
+        """A `lut` spec holding the codebook fitted on x (weights g^2 * range^2, `mask`ed outliers left out; at most
+        MAX_FIT_VALUES normalized values, a seeded subsample beyond). See the module docstring."""
+        from kvq_lab.quant.spec import QuantSpec
+
+        u, w = normalized(x, g, spec, mask)
+        if u.numel() > MAX_FIT_VALUES:
+            pick = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(0))[:MAX_FIT_VALUES]
+            u, w = u[pick], w[pick]
+        return QuantSpec(spec.bits, spec.group_size, spec.axis, "lut", fit_codebook(u, w, spec.bits))
+
+
+def normalized(x, g, spec, mask):
+    """Group-normalized values u in [0, 1] and their weights g^2 * range^2 (the lut parameter rule, outliers out of
+    min/max and out of the fit): x, g [1, H, T, D] fp32, mask bool or None -> u, w fp32 [N]."""
+    from kvq_lab.quant.reference import _grouped
+
+    G = spec.group_size
+    T = x.shape[2] // G * G if spec.axis == "channel" else x.shape[2]
+    x, g = x[:, :, :T], g[:, :, :T]
+    keep = torch.ones_like(x, dtype=torch.bool) if mask is None else ~mask[:, :, :T]
+    xg, gg, kg = _grouped(x, spec), _grouped(g, spec), _grouped(keep, spec)
+    mn = torch.where(kg, xg, float("inf")).amin(-1, keepdim=True)
+    mx = torch.where(kg, xg, -float("inf")).amax(-1, keepdim=True)
+    r = mx - mn
+    ok = kg & (r > 0)
+    u = ((xg - mn) / torch.where(r > 0, r, 1.0))[ok]
+    w = (gg.pow(2) * r.pow(2)).expand_as(xg)[ok]
+    return u, w
 
 
 def fit_codebook(

@@ -97,6 +97,11 @@ class Transform(ABC):
                           basis (query mapped with `forward`, output mapped back with `inverse`)
         first             must see the tensor as the model made it (it undoes something the model did)
         skip_unquantized  dropped around a 16-bit (identity) quantizer, where it would only add rounding
+        fitted            its parameters are fitted on calibration data (`fit`); the bare spelling has none
+        kernel_feature    a kernel feature (`kvq_lab.cache.backends.Backend.features`) that applies this transform
+                          inside the decode kernel when it is a tensor's only one (`rope`, `hadamard`), or None
+    and what it stores besides the codes: `stored_bits` (per layer, e.g. fitted scales), which the byte accounting
+    adds to the format's own cost.
     """
 
     name: ClassVar[str] = ""  # set by `register_transform`
@@ -106,6 +111,7 @@ class Transform(ABC):
     first: ClassVar[bool] = False
     skip_unquantized: ClassVar[bool] = False
     fitted: ClassVar[bool] = False  # parameters fitted on calibration data (`fit`); the bare spelling has none
+    kernel_feature: ClassVar[str | None] = None  # the kernel feature that applies it in the decode kernel, if any
 
     @classmethod
     def example(cls) -> Transform:
@@ -134,6 +140,11 @@ class Transform(ABC):
         """Fitted transforms: an instance fitted on calibration data x [B, H, T, D] (as this transform would see it),
         registered (`register_fitted`). Others need no data: themselves."""
         return self
+
+    def stored_bits(self, heads: int, head_dim: int) -> int:
+        """Bits this transform stores once per layer for a tensor of `heads` kv heads of `head_dim` channels (its
+        fitted parameters), counted by the byte accounting on top of the codes: 0 for a map fixed by its spelling."""
+        return 0
 
     def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (most transforms act on any head dim)
         """Raise a one-line QuantConfigError if the transform cannot act on heads of `head_dim` channels."""

@@ -100,6 +100,7 @@ class Hadamard(Transform):
     block: int | None = None  # None: the whole head dim
 
     foldable = True
+    kernel_feature = "hadamard"  # kernels that read `DecodeView.hadamard` map query and output themselves
 
     @classmethod
     def parse(cls, arg):

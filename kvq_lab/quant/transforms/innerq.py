@@ -111,6 +111,9 @@ class InnerQ(Transform):
     def label(self) -> str:
         return self.name if self.alpha == 1 else f"{self.name}{self.alpha:g}"
 
+    def stored_bits(self, heads: int, head_dim: int) -> int:
+        return 16 * heads * head_dim  # one fp16 scale per (kv head, channel)
+
     def _s(self, x):
         if self.scale is None:
             raise QuantConfigError(

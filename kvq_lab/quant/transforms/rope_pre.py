@@ -77,6 +77,7 @@ class RopePre(Transform):
     positional = True
     first = True
     skip_unquantized = True
+    kernel_feature = "rope"  # kernels that read `DecodeView.rope` rotate the stored pre-RoPE keys themselves
 
     @property
     def label(self) -> str:

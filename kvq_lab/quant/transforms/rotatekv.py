@@ -73,6 +73,9 @@ class RotateKV(Transform):
             return cls()
         return cls(block_arg("rotatekv", arg, 16))
 
+    def stored_bits(self, heads: int, head_dim: int) -> int:
+        return 8 * heads * head_dim  # the channel order, one byte per (kv head, channel)
+
     def fit(self, x) -> RotateKV:
         """Fitted on x [B, H, T, D] as this transform sees it: each head's channels ranked by RMS over B, T, dealt to
         the Hadamard blocks (`deal`)."""
