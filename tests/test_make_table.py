@@ -9,7 +9,8 @@ from helpers_records import axis_table_results
 
 from kvq_lab.records.record import load_records
 from kvq_lab.report.anchors import paper_values, row_name
-from kvq_lab.report.tables import build_rows, make_report, markdown_table, to_frame
+from kvq_lab.report.rows import build_rows
+from kvq_lab.report.tables import make_report, markdown_table, to_frame
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 

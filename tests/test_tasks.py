@@ -15,10 +15,10 @@ from helpers_models import compose, poisoned_model_dir, tiny_args
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.lmeval.evaluate import TASK_DIR
+from kvq_lab.plugins import TASKS
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.records.record import load_records
 from kvq_lab.run.config import ConfigError, validate
-from kvq_lab.run.plugins import TASKS
 from kvq_lab.run.runner import RunFailed, run
 from kvq_lab.tasks.decode import decode_nll, make_windows
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))  # kvq_lab of this checkout
 
-from kvq_lab.report.tables import paired_difference  # noqa: E402
+from kvq_lab.report.rows import paired_difference  # noqa: E402
 
 
 def newest(folder: Path) -> dict[str, Path]:

@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
 
-from kvq_lab.report.tables import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
 
 BASELINE = "K2b-C32_V2b-T32_pac_R128"  # KIVI int2 K-C/V-T: the row every CoQA difference is paired against
 

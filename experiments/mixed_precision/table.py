@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 from kvq_lab.cache.config import CacheConfig  # noqa: E402
 from kvq_lab.fit import precision  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
-from kvq_lab.report.tables import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
 
 
 def records():

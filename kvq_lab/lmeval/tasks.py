@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.metric import Metric
 from kvq_lab.tasks import DataFile, Task, TaskContext, register_task
 from kvq_lab.tasks.datasets import (
     COQA_DATA,
@@ -34,12 +35,22 @@ if TYPE_CHECKING:  # the runner builds it; tasks only read it
 class LmEvalTask(Task):
     """A generation task through lm-eval-harness, with the cache handed to every `generate` call.
 
-    count: documents `limit` selects from, from the rows of the first data file (default: one per row)."""
+    headline: the metrics tables show (percent); count: documents `limit` selects from, from the rows of the first
+    data file (default: one per row)."""
 
     options = ("name", "num_fewshot")
 
-    def __init__(self, name: str, data: tuple[DataFile, ...], hub: tuple[str, ...], count=len, lm_eval_name=None):
+    def __init__(
+        self,
+        name: str,
+        data: tuple[DataFile, ...],
+        hub: tuple[str, ...],
+        headline: tuple[Metric, ...],
+        count=len,
+        lm_eval_name=None,
+    ):
         self.name = name
+        self.headline = headline
         self.data = data
         self.hub = hub
         self.count = count
@@ -80,10 +91,46 @@ def _turns(rows) -> int:
     return sum(len(r["questions"]["input_text"]) for r in rows)
 
 
-register_task(LmEvalTask("coqa", (COQA_DATA,), (COQA_HUB,)))
-register_task(LmEvalTask("coqa_turns", (COQA_DATA,), (COQA_HUB,), count=_turns))
-register_task(LmEvalTask("gsm8k", GSM8K_DATA, (f"{GSM8K_HUB}/{GSM8K_CONFIG}",)))
-register_task(LmEvalTask("truthfulqa_gen", (TQA_DATA,), (f"{TQA_HUB}/{TQA_CONFIG}",)))
+def _percent(key: str, title: str, per_sample: str | None = None) -> Metric:
+    return Metric(key, title, "higher", "%", per_sample)
+
+
+register_task(
+    LmEvalTask(
+        "coqa",
+        (COQA_DATA,),
+        (COQA_HUB,),
+        (_percent("coqa/em", "CoQA EM", "em"), _percent("coqa/f1", "CoQA F1", "f1")),
+    )
+)
+register_task(
+    LmEvalTask(
+        "coqa_turns",
+        (COQA_DATA,),
+        (COQA_HUB,),
+        (_percent("coqa_turns/em", "CoQA-turns EM", "em"), _percent("coqa_turns/f1", "CoQA-turns F1", "f1")),
+        count=_turns,
+    )
+)
+register_task(
+    LmEvalTask(
+        "gsm8k",
+        GSM8K_DATA,
+        (f"{GSM8K_HUB}/{GSM8K_CONFIG}",),
+        (
+            _percent("gsm8k/exact_match_strict-match", "GSM8K strict"),
+            _percent("gsm8k/exact_match_flexible-extract", "GSM8K flexible"),
+        ),
+    )
+)
+register_task(
+    LmEvalTask(
+        "truthfulqa_gen",
+        (TQA_DATA,),
+        (f"{TQA_HUB}/{TQA_CONFIG}",),
+        (Metric("truthfulqa_gen/bleu_max", "TruthfulQA BLEU", "higher"),),
+    )
+)
 
 
 def _names(v) -> list[str]:

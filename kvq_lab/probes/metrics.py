@@ -17,7 +17,12 @@ dominated by the smallest kept entries, so it rewards quantizers that are accura
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+
+from kvq_lab.common.metric import DIRECTIONS
 
 from .settings import DEFAULT_KIVI_EPS
 
@@ -74,17 +79,53 @@ def kivi_ratio(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1), eps: float = DE
     return _kivi(xf, xf - xq.float(), _dims(x, dims), eps)
 
 
+@dataclass(frozen=True)
+class ErrorMetric:
+    """One definition of the error between an exact tensor and its approximation, as the probes report it.
+
+    name: its name in records (`probe/<quantity>/<name>/mean`), tables and W&B; compute(x, xq, dims, eps) -> one
+    value per slice not reduced over (`eps`: the probes' `kivi_eps`, for definitions that guard small entries);
+    direction: "higher" or "lower" is better; unit: "dB" or "" (a ratio); table: a column title shown in experiment
+    tables for the decode-row errors of K, V, scores and output (`K err`), or None for none."""
+
+    name: str
+    compute: Callable[..., torch.Tensor]
+    direction: str = "lower"
+    unit: str = ""
+    table: str | None = None
+
+    def __post_init__(self):
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"ErrorMetric {self.name}: direction={self.direction!r}; give one of {DIRECTIONS}")
+
+
+ERRORS: dict[str, ErrorMetric] = {}
+"""Error definitions reported side by side, by name (the names used in tables, records and W&B)."""
+
+
+def register_error(m: ErrorMetric) -> ErrorMetric:
+    """Add an error definition: every probe then reports it for every quantity (one line per definition)."""
+    if m.name in ERRORS and ERRORS[m.name] != m:
+        raise ValueError(f"error definition {m.name!r} is already registered")
+    ERRORS[m.name] = m
+    return m
+
+
+register_error(ErrorMetric("kivi_ratio", lambda x, xq, dims, eps: kivi_ratio(x, xq, dims, eps)))
+register_error(ErrorMetric("rel_fro", lambda x, xq, dims, eps: rel_fro(x, xq, dims), table="err"))
+register_error(ErrorMetric("sqnr_db", lambda x, xq, dims, eps: sqnr_db(x, xq, dims), "higher", "dB"))
+FUSED = ("kivi_ratio", "rel_fro", "sqnr_db")  # computed together by `all_errors`, sharing the difference and sums
+
+
 def all_errors(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1), eps: float = DEFAULT_KIVI_EPS) -> dict:
-    """{name: tensor} for every definition in ERRORS, sharing the difference and the sums (the probes' hot path;
-    equal to calling each function)."""
+    """{name: tensor} for every definition in ERRORS: the built-in ones sharing the difference and the sums (the
+    probes' hot path; equal to calling each function), any other by its own `compute`."""
     xf = x.float()
     e, d = xf - xq.float(), _dims(x, dims)
     err, ref = _energies(xf, e, d)
-    return {"kivi_ratio": _kivi(xf, e, d, eps), "rel_fro": _rel_fro(err, ref), "sqnr_db": _sqnr_db(err, ref)}
-
-
-ERRORS = {"kivi_ratio": kivi_ratio, "rel_fro": rel_fro, "sqnr_db": sqnr_db}
-"""Error definitions reported side by side, by name (the names used in tables, records and W&B)."""
+    out = {"kivi_ratio": _kivi(xf, e, d, eps), "rel_fro": _rel_fro(err, ref), "sqnr_db": _sqnr_db(err, ref)}
+    out.update({n: m.compute(x, xq, dims, eps) for n, m in ERRORS.items() if n not in FUSED})
+    return out
 
 
 def sparsity(a: torch.Tensor, visible: torch.Tensor | None = None, rel: float = 0.01) -> torch.Tensor:

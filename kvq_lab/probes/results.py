@@ -88,7 +88,8 @@ def heatmaps(res: ProbeResult, out_dir: Path, title: str = "") -> dict[str, Path
                 data = res.tables[q][key].numpy()
                 finite = data[abs(data) != float("inf")]
                 vmin, vmax = (finite.min(), finite.max()) if finite.size else (0, 1)
-                cmap = "viridis_r" if key == "sqnr_db" else "viridis"  # bright = bad in every error panel
+                higher = key in ERRORS and ERRORS[key].direction == "higher"
+                cmap = "viridis_r" if higher else "viridis"  # bright = bad in every error panel
                 im = ax.imshow(data, aspect="auto", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
                 label = f"{q} [{key}]" if key != "value" else f"{q} (exact A)"
                 ax.set_title(f"{label}\nmean {data.mean():.3g}", fontsize=9)
@@ -119,7 +120,7 @@ def layer_plot(res: ProbeResult, out_dir: Path, title: str = "") -> Path:
                 ax.plot(res.tables[q][d].mean(-1).numpy(), marker=".", label=q)
         ax.set_xlabel("layer")
         ax.set_title(d)
-        ax.set_yscale("linear" if d == "sqnr_db" else "log")
+        ax.set_yscale("linear" if ERRORS[d].unit == "dB" else "log")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"{title}  per-layer mean over heads (full prefill)")

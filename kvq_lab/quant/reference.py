@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from kvq_lab.quant.formats import CodeFormat, get_format
 from kvq_lab.quant.formats import builtin as _plugins  # noqa: F401  (registers the built-in formats)
 
+from .groups import grouped as _grouped
+from .groups import ungrouped as _ungrouped
 from .rounding import PARAM_DTYPE, fp16_round_down, fp16_round_up
 from .spec import QuantSpec
 
@@ -76,28 +78,6 @@ class QTensor:
     spec: QuantSpec
     length: int
     dtype: torch.dtype
-
-
-def _grouped(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """View `[B, H, T, D]` as `[..., n_groups..., G]` with each group's elements on the last dim.
-
-    token:   [B, H, T, D]    -> [B, H, T, D/G, G]
-    channel: [B, H, T_pad, D] -> [B, H, T_pad/G, D, G]   (T_pad must be a multiple of G)
-    """
-    B, H, T, D = x.shape
-    G = spec.group_size
-    if spec.axis == "token":
-        return x.reshape(B, H, T, D // G, G)
-    return x.reshape(B, H, T // G, G, D).transpose(-1, -2)
-
-
-def _ungrouped(g: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Inverse of `_grouped`."""
-    if spec.axis == "token":
-        B, H, T, nG, G = g.shape
-        return g.reshape(B, H, T, nG * G)
-    B, H, nT, D, G = g.shape
-    return g.transpose(-1, -2).reshape(B, H, nT * G, D)
 
 
 def _check_shape(x: torch.Tensor, spec: QuantSpec) -> None:

@@ -24,11 +24,13 @@ TABLE2 = [
 ]
 
 
-def table2(records: list[dict], definitions=("kivi_ratio", "rel_fro", "sqnr_db")) -> str:
+def table2(records: list[dict], definitions=None) -> str:
     """Markdown: per-token vs per-channel for keys and values, ours beside KIVI's Llama-2-13B numbers.
 
     Each of our cells is the mean over the records with that axis (the other axis does not change it; the spread
-    across those records is shown when it is not zero)."""
+    across those records is shown when it is not zero). definitions: the error definitions shown (default: every
+    registered one, `kvq_lab.probes.metrics.ERRORS`)."""
+    definitions = tuple(ERRORS) if definitions is None else definitions
     lines = [
         "| quantity | definition | ours per-token | ours per-channel | KIVI per-token | KIVI per-channel |",
         "|---|---|---|---|---|---|",
@@ -101,12 +103,13 @@ def axis_figure(records: list[dict], definition: str, path: Path, title: str = "
             pos = both[both > 0]
             # 1st-99th percentile: one near-exact head (e.g. a row held by a single sink token) must not flatten
             # the colour scale of the rest; cells beyond it are drawn at the end colours
-            lo = float(np.percentile(pos if definition != "sqnr_db" else both, 1)) if pos.size else 1e-6
+            linear = ERRORS[definition].unit == "dB"  # a log-scale quantity already; ratios go on a log scale
+            lo = float(np.percentile(both if linear else pos, 1)) if pos.size else 1e-6
             hi = float(np.percentile(both, 99))
-            norm = Normalize(lo, hi) if definition == "sqnr_db" else LogNorm(max(lo, 1e-6), max(hi, 2e-6))
+            norm = Normalize(lo, hi) if linear else LogNorm(max(lo, 1e-6), max(hi, 2e-6))
             for a_i, (a, m) in enumerate(mats.items()):
                 ax = axes[2 * b + a_i][c]
-                cmap = "viridis_r" if definition == "sqnr_db" else "viridis"
+                cmap = "viridis_r" if ERRORS[definition].direction == "higher" else "viridis"
                 im = ax.imshow(m, aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
                 ax.set_title(f"{knob.split('_')[0]} per-{a}: {q}\nmean {m.mean():.3g}", fontsize=9)
                 ax.set_xlabel("KV head" if q in KV_QUANTITIES else "head", fontsize=8)

@@ -165,7 +165,7 @@ def build(cfg) -> RunConfig:
     from kvq_lab.cache.checks import check_device
     from kvq_lab.fit import calibration, checks, precision_settings
     from kvq_lab.models.loading import check_source
-    from kvq_lab.run.plugins import TASKS
+    from kvq_lab.plugins import TASKS
 
     c = _container(cfg)
     unknown = sorted(set(c) - {f.name for f in fields(RunSchema)})
@@ -313,8 +313,8 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
 def validate(cfg) -> RunPlan:
     """`build` the RunConfig, then identify what its numbers come from (`RunPlan`); no model is loaded."""
     from kvq_lab.fit import checks
+    from kvq_lab.plugins import TASKS
     from kvq_lab.records.provenance import code_version, library_versions, model_identity, run_key
-    from kvq_lab.run.plugins import TASKS
 
     run = build(cfg)
     h = config_hash(run)

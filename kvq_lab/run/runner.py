@@ -204,8 +204,8 @@ def _completed(plan: RunPlan, outcome: dict) -> dict[str, float] | None:
 
 
 def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
+    from kvq_lab.plugins import TASKS
     from kvq_lab.run.alloc import retain_freed_memory
-    from kvq_lab.run.plugins import TASKS
     from kvq_lab.tasks import TaskContext
 
     retain_freed_memory()  # whatever launcher runs this row: freed tensors' pages stay mapped for the next ones

@@ -4,11 +4,11 @@ A task checks its inputs cheaply (`check`, before any model load: its options, i
 `limit` against what the data holds), says what its numbers are computed from (`inputs`: content hashes of the
 files it reads, or the hub datasets it would download), and produces flat metrics (`run`).
 
-Adding a task: one module in this package that defines a `Task` subclass and calls `register_task(...)`, one line
-in `kvq_lab/run/plugins.py` importing that module, and `conf/task/<name>.yaml` holding `name: <name>` and its options
-(each option also listed in the task's `options`, so a typo such as `+task.windws=2` is rejected). The registry
-imports none of its plugins (kvq_lab/run/plugins.py assembles them); it must stay free of torch so that validation is
-fast.
+Adding a task: one module in this package that defines a `Task` subclass (with its `headline` metrics for the
+experiment tables) and calls `register_task(...)`, one line in `kvq_lab/plugins/__init__.py` importing that module,
+and `conf/task/<name>.yaml` holding `name: <name>` and its options (each option also listed in the task's `options`,
+so a typo such as `+task.windws=2` is rejected). The registry imports none of its plugins (kvq_lab.plugins assembles
+them); it must stay free of torch so that validation is fast.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.metric import Metric
 
 if TYPE_CHECKING:  # the runner builds it; tasks only read it
     from kvq_lab.run.config import RunConfig
@@ -134,9 +135,11 @@ def read_data_file(data_dir: Path, f: DataFile) -> tuple[list[dict], str]:
 
 class Task:
     """Base class of tasks. Subclasses set `name`, `options`, `data` (files under the data dir), `hub` (what is
-    downloaded without a data dir) and implement `run`; `count_docs` says how many documents `limit` can select."""
+    downloaded without a data dir), `headline` (the metrics experiment tables show, the first one the paper's
+    column) and implement `run`; `count_docs` says how many documents `limit` can select."""
 
     name: str = ""
+    headline: tuple[Metric, ...] = ()  # the columns of experiment tables (kvq_lab.report.tables), in order
     options: tuple[str, ...] = ("name",)  # the task.* keys this task reads
     data: tuple[DataFile, ...] = ()
     hub: tuple[str, ...] = ()  # hub dataset ids (with config) read when no data dir is given

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.metric import Metric
 from kvq_lab.tasks.text import OPTIONS as SOURCE_OPTIONS
 from kvq_lab.tasks.text import source_inputs
 
@@ -29,6 +30,7 @@ class PplTask(Task):
     data = (COQA_DATA,)  # read only when task.source=coqa_stories
     hub = (COQA_HUB,)
     limit_unit = "windows"
+    headline = (Metric("ppl/ppl", "decode ppl", "lower"),)
 
     def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         from kvq_lab.tasks.decode import check_options

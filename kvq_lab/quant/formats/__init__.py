@@ -6,7 +6,7 @@ Every format dequantizes with one formula, so a kernel that implements it reads 
 
 `table` is an fp32 vector of 2^bits entries fixed by the format (int: the integers; fp8: the values of the 256
 bit patterns) or given per tensor / layer (lut: a codebook); `scale` and `zero` are fp16, one per group.
-Groups are formed elsewhere (`kvq_lab.quant.reference._grouped`); a format only sees the grouped layout:
+Groups are formed elsewhere (`kvq_lab.quant.groups.grouped`); a format only sees the grouped layout:
 
     g      [..., n_groups, G]   the values (any float dtype; arithmetic in fp32)
     valid  bool, broadcastable to g, or None: which elements may enter the group's statistics

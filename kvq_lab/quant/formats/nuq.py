@@ -62,13 +62,13 @@ class NUQFormat(LUTFormat):
 def normalized(x, g, spec, mask):
     """Group-normalized values u in [0, 1] and their weights g^2 * range^2 (the lut parameter rule, outliers out of
     min/max and out of the fit): x, g [1, H, T, D] fp32, mask bool or None -> u, w fp32 [N]."""
-    from kvq_lab.quant.reference import _grouped
+    from kvq_lab.quant.groups import grouped
 
     G = spec.group_size
     T = x.shape[2] // G * G if spec.axis == "channel" else x.shape[2]
     x, g = x[:, :, :T], g[:, :, :T]
     keep = torch.ones_like(x, dtype=torch.bool) if mask is None else ~mask[:, :, :T]
-    xg, gg, kg = _grouped(x, spec), _grouped(g, spec), _grouped(keep, spec)
+    xg, gg, kg = grouped(x, spec), grouped(g, spec), grouped(keep, spec)
     mn = torch.where(kg, xg, float("inf")).amin(-1, keepdim=True)
     mx = torch.where(kg, xg, -float("inf")).amax(-1, keepdim=True)
     r = mx - mn

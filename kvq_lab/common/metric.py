@@ -1,0 +1,32 @@
+"""What a reported number is, for tables and comparisons: its key in a record, its column title, which way is better
+and its unit. Tasks declare their headline metrics with it (`kvq_lab.tasks.Task.headline`); the probes' error
+definitions carry the same three facts (`kvq_lab.probes.metrics.ErrorMetric`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIRECTIONS = ("higher", "lower")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric as a table shows it.
+
+    key: the record's metric name (`coqa/em`); title: its column title (`CoQA EM`); direction: "higher" or "lower"
+    is better; unit: "%", "dB", or "" (a ratio or a count); per_sample: the per-sample field of the record's
+    samples a standard error over documents is computed from, or None."""
+
+    key: str
+    title: str
+    direction: str = "higher"
+    unit: str = ""
+    per_sample: str | None = None
+
+    def __post_init__(self):
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"Metric {self.key}: direction={self.direction!r}; give one of {', '.join(DIRECTIONS)}")
+
+    def better(self, a: float, b: float) -> bool:
+        """Whether value a is better than value b."""
+        return a > b if self.direction == "higher" else a < b
