@@ -1,5 +1,5 @@
-"""Calibration (`kvq_lab.fit.calibration`): what it captures, where it caches, what it refuses, and that fitted configs
-run in both cache modes and through run.py."""
+"""Calibration (`kvq_lab.fit.calibration`, `calibration_settings`, `capture`, `fit_cache`): what it captures, where
+it caches, what it refuses, and that fitted configs run in both cache modes and through run.py."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from kvq_lab.cache.packed import PackedLayer
 from kvq_lab.cache.rope import RopeHelper
 from kvq_lab.cache.simulated import SimulatedLayer
 from kvq_lab.fit import calibration as C
+from kvq_lab.fit.calibration_settings import DEFAULTS, token_ids
+from kvq_lab.fit.capture import capture
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.quant.transforms.rope_pre import rotate
 from kvq_lab.run.config import ConfigError, config_hash, validate
@@ -47,7 +49,7 @@ def test_capture_is_what_the_model_hands_the_cache(tiny_model):
     """Pre-RoPE keys rotated at their positions and values equal what DynamicCache receives, chunk by chunk (each
     chunk is its own sequence: positions restart); gradients exist where keys and values are consumed."""
     ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(0))
-    caps = C.capture(tiny_model, ids, chunk=40)
+    caps = capture(tiny_model, ids, chunk=40)
     rope = RopeHelper(tiny_model.model.rotary_emb)
     for c0 in (0, 40):
         dc = DynamicCache(config=tiny_model.config)
@@ -81,7 +83,7 @@ def test_calibration_is_fitted_once_and_cached(tiny_model, tmp_path, monkeypatch
     def no_capture(*a, **k):
         raise AssertionError("captured again")
 
-    monkeypatch.setattr(C, "capture", no_capture)
+    monkeypatch.setattr(C, "capture", no_capture)  # the capture that calibrate calls
     assert C.calibrate(tiny_model, tok, METHOD, settings(), data_dir, "tiny") == f  # from the disk cache
     with pytest.raises(AssertionError, match="captured again"):  # other settings: another fit
         C.calibrate(tiny_model, tok, METHOD, settings(tokens=192), data_dir, "tiny")
@@ -113,11 +115,11 @@ def test_fitted_config_simulated_equals_packed(tiny_model, tmp_path, monkeypatch
 
 def test_coqa_tail_must_not_overlap_the_ppl_windows():
     task = {"name": "ppl", "source": "coqa_stories", "windows": 4, "context_tokens": 512, "eval_tokens": 512}
-    s = {**C.DEFAULTS, "source": "coqa_stories", "tokens": 2048}
+    s = {**DEFAULTS, "source": "coqa_stories", "tokens": 2048}
     with pytest.raises(ValueError, match="overlap the 4096 that task=ppl scores") as e:
-        C.token_ids(ByteTokenizer(), "x" * 5000, s, task)
+        token_ids(ByteTokenizer(), "x" * 5000, s, task)
     assert "\n" not in str(e.value)
-    assert C.token_ids(ByteTokenizer(), "x" * 7000, s, task).shape == (1, 2048)  # the tail, after the windows
+    assert token_ids(ByteTokenizer(), "x" * 7000, s, task).shape == (1, 2048)  # the tail, after the windows
 
 
 BAD = [

@@ -139,7 +139,7 @@ def test_rope_pre_with_position_ids_of_the_callers_own():
 def test_rope_table_is_the_models_rope():
     """The kernel's table is the rotary module's own cos/sin (one half of its duplicated layout), grown on demand;
     a RoPE whose frequencies depend on the length gets no table (the PyTorch path re-rotates instead)."""
-    from kvq_lab.cache.packed import rope_table
+    from kvq_lab.cache.packed_decode import rope_table
 
     rope = rotary(64, theta=500000.0)
     cos, sin = rope_table(rope.rotary_emb, 10, torch.empty(0))

@@ -279,9 +279,10 @@ def test_smollm2_search_respects_budget(smol, data_dir, tmp_path):
 
 
 def test_sensitivity_text_is_calibrations(data_dir, tmp_path):
-    """One GSM8K-train reader (kvq_lab.fit.calibration): precision's text is calibration's, byte for byte (so the
-    sensitivity cache's text hash is the one of the split's parent: 600 Question/Answer rows); source=file differs."""
-    from kvq_lab.fit.calibration import calibration_text
+    """One GSM8K-train reader (kvq_lab.fit.calibration_settings): precision's text is calibration's, byte for byte
+    (so the sensitivity cache's text hash is the one of the split's parent: 600 Question/Answer rows); source=file
+    differs."""
+    from kvq_lab.fit.calibration_settings import calibration_text
 
     s = {"source": "gsm8k_train", "path": None}
     text = precision.sensitivity_text(s, data_dir)

@@ -2,9 +2,10 @@
 
 Modules, one role each: `config` (what a cache does), `base` (layer machinery and the mode registry), `kv_cache`
 (`QuantizedKVCache`, which imports the layer modules so they register), `simulated` and `packed` (the layers),
-`store` (packed bits), `streams` (streaming policies), `backends` (kernel selection), `attention` (`kvq_sdpa`
-routing), `rope` (RoPE cos/sin at each token's positions, for positional transforms). Kernels live below, in
-`kvq_lab.kernels`.
+`simulated_stream` (fake-quant arithmetic), `simulated_batch` (growing buffers, batch row edits), `packed_decode`
+(what a packed layer hands the decode kernels), `store` (packed bits), `streams` (streaming policies), `backends`
+(kernel selection), `attention` (`kvq_sdpa` routing), `rope` (RoPE cos/sin at each token's positions, for positional
+transforms). Kernels live below, in `kvq_lab.kernels`.
 
 Names resolve lazily so that config validation (which needs only `CacheConfig`) imports neither torch nor
 transformers.

@@ -4,7 +4,7 @@ the calibration and sensitivity texts against the token counts they must hold (t
 recompute against the architecture, the backend `auto` stands for, and a fit already kept in the calibration cache.
 
 Each check raises a one-line `ConfigError`. Sections are the run's validated settings (`calibration`, `precision`,
-`task`, `model`: mappings; `kvq_lab.fit.calibration.settings`, `kvq_lab.fit.precision_settings.settings`).
+`task`, `model`: mappings; `kvq_lab.fit.calibration_settings.settings`, `kvq_lab.fit.precision_settings.settings`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common.errors import ConfigError, QuantConfigError
 
-from . import calibration
+from . import calibration_settings as calibration
+from . import fit_cache
 from . import precision_settings as precision
 
 
@@ -121,4 +122,4 @@ def kept_fit(cache: CacheConfig, cal: Mapping, prec: Mapping, data_dir: Path | N
     s = calibration.settings(cal)
     if not calibration.text_at_hand(s, data_dir):
         return None
-    return calibration.read_fit(calibration.fit_path(cache, s, data_dir, model_id), cache)
+    return fit_cache.read_fit(fit_cache.fit_path(cache, s, data_dir, model_id), cache)

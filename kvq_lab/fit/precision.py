@@ -101,7 +101,7 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) ->
 def sensitivity_text(s: dict[str, Any], data_dir: Path | None) -> str:
     """The sensitivity text of `precision.source`: calibration's reader (gsm8k_train: the first 600 GSM8K train
     rows as Question/Answer pairs, from data_dir else the hub; file: `precision.path`), one reader for both."""
-    from kvq_lab.fit.calibration import calibration_text
+    from kvq_lab.fit.calibration_settings import calibration_text
 
     return calibration_text({"source": s["source"], "path": s["path"]}, data_dir)[0]
 

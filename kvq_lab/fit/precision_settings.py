@@ -23,7 +23,7 @@ from kvq_lab.quant.spec import BITS, DEFAULT_FORMAT, QuantConfigError, QuantSpec
 MODES = ("uniform", "search", "file")
 DEFAULTS = {"name": "uniform", "budget": None, "choices": [2, 3, 4, 8], "tokens": 512, "source": "gsm8k_train"}
 KEYS = (*DEFAULTS, "path")
-SOURCES = ("gsm8k_train", "file")  # the sensitivity text: read by kvq_lab.fit.calibration.calibration_text
+SOURCES = ("gsm8k_train", "file")  # the sensitivity text: read by kvq_lab.fit.calibration_settings.calibration_text
 FILE_KIND = "kvq_lab.precision/per_layer_bits/v1"  # kept from before the split: older files still read
 
 
@@ -92,7 +92,7 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
         return
     if cache.mode == "recompute":
         raise ConfigError(f"precision={s['name']} sets per-layer key/value bits; mode=recompute stores X: use uniform")
-    from kvq_lab.fit.calibration import needs_calibration, what_is_fitted
+    from kvq_lab.fit.calibration_settings import needs_calibration, what_is_fitted
 
     if needs_calibration(cache):  # calibration fits one config per layer at the run's bits (nuq codebooks...)
         raise ConfigError(f"precision={s['name']} with {what_is_fitted(cache)} (fitted per layer) is not supported")
@@ -130,7 +130,7 @@ def check_text_length(precision: Mapping | None, tok, data_dir: Path | None) -> 
     s = settings(precision)
     if s["name"] != "search":
         return
-    from kvq_lab.fit.calibration import calibration_text
+    from kvq_lab.fit.calibration_settings import calibration_text
 
     text = calibration_text({"source": s["source"], "path": s["path"]}, data_dir)[0]
     n = len(tok(text, add_special_tokens=False).input_ids)

@@ -241,8 +241,8 @@ class KeptCall:
     """`decode_attention` over one layer's views, kept from one decode step to the next: the argument block of the
     view it was made from, with only what a step moves written in (N, the attended sinks, and per stream the history
     length, the window's rows and length, the sinks' tensor) instead of ~80 fields rebuilt from a new view (in the
-    model, ~150 us of Python per layer and step). The caller (the cache layer, `kvq_lab.cache.packed`) keeps it only
-    while the view's other tensors are the same (codes, parameters, window buffer, rope table and positions) and
+    model, ~150 us of Python per layer and step). The caller (the cache layer, `kvq_lab.cache.packed_decode`) keeps it
+    only while the view's other tensors are the same (codes, parameters, window buffer, rope table and positions) and
     calls it with the view's moving parts; where a step moves anything else (a history appears where there was none,
     another query layout, a mask the kernel cannot take) it returns None and the caller builds a new view."""
 

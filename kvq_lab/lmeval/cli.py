@@ -28,7 +28,7 @@ import logging
 from kvq_lab.cache.checks import check_device
 from kvq_lab.cache.knobs import CACHE_KNOBS, cache_config
 from kvq_lab.common.errors import ConfigError
-from kvq_lab.fit.calibration import data_dir_from_env
+from kvq_lab.fit.calibration_settings import data_dir_from_env
 from kvq_lab.fit.checks import check_against_model, check_recompute, model_facts, resolve_backend
 from kvq_lab.lmeval.wrapper import QuantCacheLM
 from kvq_lab.models.loading import check_source

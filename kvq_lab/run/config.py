@@ -163,7 +163,7 @@ def build(cfg) -> RunConfig:
     """Hydra's config (or a plain mapping of it) -> the validated `RunConfig`; no model is loaded. Raises
     ConfigError (one line, with the fix)."""
     from kvq_lab.cache.checks import check_device
-    from kvq_lab.fit import calibration, checks, precision_settings
+    from kvq_lab.fit import calibration_settings, checks, precision_settings
     from kvq_lab.models.loading import check_source
     from kvq_lab.plugins import TASKS
 
@@ -178,7 +178,7 @@ def build(cfg) -> RunConfig:
     precision_settings.check(c["precision"], cache)  # settings, a budget the smallest choice meets, a K/V mode
     task_name = c["task"].get("name")
     ddir = data_dir(c)
-    calibration.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, is not the task's
+    calibration_settings.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, not the task's
     limit = _int(c, "limit", lo=1, allow_none=True)
     seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
     flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
@@ -208,7 +208,7 @@ def build(cfg) -> RunConfig:
         task=Section(c["task"]),
         model=Section(c["model"]),
         logger=Section(c["logger"]),
-        calibration=Section(calibration.settings(c["calibration"])),
+        calibration=Section(calibration_settings.settings(c["calibration"])),
         precision=Section(precision_settings.settings(c["precision"])),
         probes=probes,
         limit=limit,
@@ -268,7 +268,7 @@ class RunPlan:
     def refit(self, cache: CacheConfig) -> bool:
         """Take the fitted cache (after calibration and the per-layer search) and key the run by its fit; -> whether
         the run key changed (then the runner looks for a completed record of the new key)."""
-        from kvq_lab.fit.calibration import fitted_digest
+        from kvq_lab.fit.fit_cache import fitted_digest
         from kvq_lab.records.provenance import run_key
 
         self.cache = cache
@@ -294,7 +294,7 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
     c = cfg.resolved.to_dict() if isinstance(cfg, RunConfig) else _container(cfg)
     cache = cache if cache is not None else cfg.cache if isinstance(cfg, RunConfig) else cache_config(c)
     from kvq_lab.fit import precision_settings
-    from kvq_lab.fit.calibration import needs_calibration
+    from kvq_lab.fit.calibration_settings import needs_calibration
 
     precision = precision_settings.hash_part(c.get("precision"))  # per-layer bits by content; uniform: left out
     for k in (*WHERE, *CACHE_KNOBS, "precision"):
