@@ -184,7 +184,9 @@ def main(argv=None):
                     help="decode attention cases (default: all)")  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_kernels.py needs a CUDA GPU (the kernels are tested on CPU by tests/test_triton.py)")
+        raise SystemExit(
+            "bench_kernels.py needs a CUDA GPU (the kernels are tested on CPU by tests/kernels/test_triton.py)"
+        )
     lengths = args.lengths or ([4096, 16384, 32768] if args.quick else [4096, 8192, 16384, 32768, 65536])
     cases = [c for c in ATTN_CASES if (args.cases is None or c[0] in args.cases) and (not args.quick or c[2] == 1)]
     import triton

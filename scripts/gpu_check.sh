@@ -16,8 +16,8 @@
 #   decode_attention.png
 #   cache_speed.json     scripts/bench_cache.py --device cuda --only "ours packed": DynamicCache vs our packed cache
 #   cache_speed.md         (auto = Triton: rope=post / pre, fp8; backend=torch) in fp32, bf16 and a padded batch of 4
-# Step 1 of the GPU run is pytest of tests/test_triton.py (the kernels compiled for CUDA, no interpreter) and
-# tests/test_fast_path.py (the C kernel, on that machine's CPU), output in log.txt.
+# Step 1 of the GPU run is pytest of tests/kernels/test_triton.py (the kernels compiled for CUDA, no interpreter) and
+# tests/kernels/test_cpu_kernel_configs.py (the C kernel, on that machine's CPU), output in log.txt.
 #
 # What cannot travel, and what stands in for it: the GPU machine has no network and takes 64 MiB of files, so the
 # SmolLM2-135M weights (94 MB GGUF, 517 MB converted) stay here. bench_cache runs a model of SmolLM2-135M's exact
@@ -95,7 +95,7 @@ print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton'
 # 1. the kernels' tests on CUDA, and the C kernel's; bench_cache's schema test needs quanto and hqq (not there)
 xdist=()
 $PY -c "import xdist" 2>/dev/null && xdist=(-n 8)
-step pytest 180 $PY -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_triton.py tests/test_fast_path.py \
+step pytest 180 $PY -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels/test_triton.py tests/kernels/test_cpu_kernel_configs.py \
     -k "not bench_cache_json" -rfE
 
 # 2. kernel microbenchmarks: quantize+pack vs a copy, fused decode attention vs fp16 SDPA, 4K-32K tokens

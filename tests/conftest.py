@@ -13,7 +13,8 @@ DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 if not torch.cuda.is_available():
-    # Triton reads this when it is first imported: on CPU its kernels run in the interpreter (tests/test_triton.py)
+    # Triton reads this when it is first imported: on CPU its kernels run in the interpreter
+    # (tests/kernels/test_triton.py)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
@@ -143,3 +144,11 @@ def data_dir():
     if not (DATA_DIR / "coqa").is_dir():
         pytest.fail(f"no data folder at {DATA_DIR}; set KVQ_DATA_DIR to the shared data folder")
     return DATA_DIR
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A small peaked Llama for cache tests (`helpers_models.peaked_llama`), one per test module."""
+    from helpers_models import peaked_llama
+
+    return peaked_llama()

@@ -1,16 +1,56 @@
-"""Helpers for task and sweep tests: compose run configs like run.py does, tiny decode-perplexity settings, and
-tiny models with a poisoned (NaN) weight. The tiny model folder itself is conftest's `tiny_model_dir`."""
+"""Helpers shared by tests: compose run configs like run.py does, run run.py as a user would, tiny decode-perplexity
+settings, tiny models with a poisoned (NaN) weight, and a small peaked Llama with greedy generation for cache tests
+(conftest's `tiny` fixture). The tiny model folder itself is conftest's `tiny_model_dir`."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def peaked_llama():
+    """A seeded 2-layer GQA Llama (4 query heads, 2 KV heads of 64) with peaked logits, so greedy choices sit far
+    from ties and a cache that changes attention shows in the generated tokens (SDPA attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=256,
+        max_position_embeddings=1024,
+        initializer_range=0.1,  # peaked logits: greedy choices far from ties
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg).eval()
+
+
+def gen(model, cache, ids, n=24, mask=None):
+    """n greedy tokens after `ids` through `cache` (the new tokens only)."""
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[:, ids.shape[1] :]
+
+
+def run_cli(*args, env=None):
+    """`python run.py <args>` from the repo root, as a user runs it: (completed process, seconds)."""
+    e = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=e, timeout=600)
+    return p, time.time() - t0
 
 
 def compose(overrides: list[str]):
@@ -36,7 +76,7 @@ def tiny_args(model_dir: Path, results_dir: Path, data_dir: Path, task: str = "p
         f"data_dir={data_dir}",
         f"task={task}",
         # tests run in developers' trees, often with uncommitted changes; the dirty-tree rule of resume has its own
-        # test (tests/test_trust.py)
+        # test (tests/run/test_trust.py)
         "resume_dirty=true",
     ]
     if task == "ppl":

@@ -5,9 +5,9 @@
 - `attention`: fused decode attention over packed K/V, with flash-decoding's merge of chunks (`decode_attention`).
 - `common`: what they share: the packed layout's reader, the code formats' values, the shape check.
 
-Tests run them on CPU under `TRITON_INTERPRET=1` (tests/test_triton.py) and build every launch for sm_90 without a
-GPU (tests/test_triton_compile.py). `kvq_lab.cache.backends` wires them in. Import is lazy: only `backend=triton`
-(or `auto` on a CUDA machine) imports this package, and with it triton.
+Tests run them on CPU under `TRITON_INTERPRET=1` (tests/kernels/test_triton.py) and build every launch for sm_90 without
+a GPU (tests/kernels/test_triton_compile.py). `kvq_lab.cache.backends` wires them in. Import is lazy: only
+`backend=triton` (or `auto` on a CUDA machine) imports this package, and with it triton.
 """
 
 from .attention import decode_attention, supports

@@ -22,8 +22,8 @@ so keys are read as their two halves. An id outside [0, P) poisons the row (NaN 
 silent wrong answer; the launcher refuses such ids on CPU tensors).
 
 Reference: `kvq_lab.kernels.torch_path.decode_attention_torch` (and the C kernel, `cpu_kernel.decode_attention`);
-tests require attention within fp32 rounding, dequantized values bit for bit (tests/test_triton.py, under
-`TRITON_INTERPRET=1`; tests/test_triton_compile.py builds every launch for sm_90 without a GPU).
+tests require attention within fp32 rounding, dequantized values bit for bit (tests/kernels/test_triton.py, under
+`TRITON_INTERPRET=1`; tests/kernels/test_triton_compile.py builds every launch for sm_90 without a GPU).
 """
 
 from __future__ import annotations

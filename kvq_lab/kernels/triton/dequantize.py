@@ -5,7 +5,7 @@ point, fp8 does not), reading the layout of `common` (`kvq_lab/quant/pack.py`). 
 TT positions) programs.
 
 Reference: `kvq_lab.quant.reference.dequantize` (through `kvq_lab.quant.pack.PackedQTensor`); tests require identical
-values (tests/test_triton.py, under `TRITON_INTERPRET=1`). Bit parity needs the reference's two roundings in
+values (tests/kernels/test_triton.py, under `TRITON_INTERPRET=1`). Bit parity needs the reference's two roundings in
 `code * scale + zero`: the launch disables fp contraction, which would fuse them into an fma.
 """
 

@@ -5,9 +5,9 @@ groups), codes packed into the layout of `common` (`kvq_lab/quant/pack.py`). A g
 TT storage positions) programs; a tile holds whole blocks of BLOCK tokens and, per channel, whole groups of G.
 
 Reference: `kvq_lab.quant.reference.quantize` then `kvq_lab.quant.pack.PackedQTensor.from_qtensor`; tests require
-identical codes and parameters (tests/test_triton.py, under `TRITON_INTERPRET=1`). Bit parity needs the reference's
-exact arithmetic: IEEE division (`tl.div_rn`; Triton's `/` is approximate on GPU), round half to even, and fp16
-parameters rounded outward (zero down, scale up, by nudging the fp16 bit pattern one ulp).
+identical codes and parameters (tests/kernels/test_triton.py, under `TRITON_INTERPRET=1`). Bit parity needs the
+reference's exact arithmetic: IEEE division (`tl.div_rn`; Triton's `/` is approximate on GPU), round half to even, and
+fp16 parameters rounded outward (zero down, scale up, by nudging the fp16 bit pattern one ulp).
 
 Only int's arithmetic is here: the cache quantizes other formats with the reference and stores the same bits
 (`quantizes`).

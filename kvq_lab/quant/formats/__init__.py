@@ -39,9 +39,9 @@ One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `f
 A format that stores a table once per layer says so in `table_bytes` (the byte accounting adds it); one fitted on
 calibration data sets `fitted = True` and implements `fit` (calibration calls it per layer; `nuq` is the example).
 
-`tests/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
+`tests/quant/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
 (round trip within its own `error_bound`, codes in range, the dequantize formula, adversarial inputs) with no
-test edit; `tests/test_format_matrix.py` runs it through the reference, simulated and packed caches and every
+test edit; `tests/quant/test_format_matrix.py` runs it through the reference, simulated and packed caches and every
 kernel. Kernels declare the formats they read with `add_kernel_support` (the C and Triton kernels read the formula
 above for any format: `"*"`); a format that a backend cannot read says so in `unsupported_backends`.
 

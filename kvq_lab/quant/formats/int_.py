@@ -15,7 +15,7 @@ instead of dividing by zero. Elements outside `valid` do not enter min/max and g
 element gets scale 0 and zero 0.
 
 This is the arithmetic `kvq_lab.quant.reference.quantize` had before formats existed, operation for operation, so
-its results are bit for bit the same (tested against a frozen copy in tests/test_format_matrix.py); the fast
+its results are bit for bit the same (tested against a frozen copy in tests/quant/test_format_matrix.py); the fast
 whole-group path (`kvq_lab.kernels.torch_path.quantize_whole_groups`) and the Triton kernel are tested against it.
 """
 

@@ -1,6 +1,6 @@
 """Resumable, honest sweeps: a rerun skips rows whose record exists for the same resolved config (config hash),
 a killed sweep resumes with the missing rows only, a failing run leaves a record saying why (a failing row of a
-sweep: tests/test_faults.py)."""
+sweep: tests/run/test_faults.py)."""
 
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def test_coqa_padded_rows_cache_what_they_cache_alone(data_dir, tmp_path, monkey
     shadows = RowShadows(configs, layers=(0, 1, 15, 29))
     monkeypatch.setattr(SimulatedLayer, "update", lambda layer, *a, **kw: shadows(layer, *a, **kw))
     # lm-eval's own left-padded prefill (prefix reuse would prefill each row alone and stack the caches: tested in
-    # tests/test_prefix_reuse.py)
+    # tests/lmeval/test_prefix_reuse.py)
     args = ["model=smollm2-135m", "task=coqa_turns", "limit=6", "batch_size=3", "prefix_reuse=false", "logger=none"]
     args += [f"data_dir={data_dir}"]
     args += [f"results_dir={tmp_path}", "key_axis=channel", "value_axis=token", "sink_tokens=4", "rope=pre"]

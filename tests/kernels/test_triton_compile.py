@@ -1,11 +1,11 @@
 """The Triton kernels compiled for a GPU (sm_90, Hopper) on a machine without one.
 
-tests/test_triton.py runs the kernels in the interpreter, which executes them with NumPy: it does not type-check or
-lower them the way the GPU compiler does (integer literal types, loops with runtime bounds, 3-D broadcasts, layouts).
-Here every launch the decode attention, dequantize and quantize+pack entry points make, for the fast path's
-configurations, is captured instead of run and compiled ahead of time to a cubin with Triton's own ptxas, so a kernel
-that cannot build for a GPU fails on CPU-only CI. It runs in a fresh process: the interpreter (which conftest turns on
-without CUDA) must be off when triton is imported.
+tests/kernels/test_triton.py runs the kernels in the interpreter, which executes them with NumPy: it does not
+type-check or lower them the way the GPU compiler does (integer literal types, loops with runtime bounds, 3-D
+broadcasts, layouts). Here every launch the decode attention, dequantize and quantize+pack entry points make, for the
+fast path's configurations, is captured instead of run and compiled ahead of time to a cubin with Triton's own ptxas, so
+a kernel that cannot build for a GPU fails on CPU-only CI. It runs in a fresh process: the interpreter (which conftest
+turns on without CUDA) must be off when triton is imported.
 """
 
 import os

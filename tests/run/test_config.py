@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers_models import compose
+from helpers_models import compose, run_cli
 
 from kvq_lab.run.config import ConfigError, validate
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cfg_with(*overrides):
@@ -69,13 +65,6 @@ def test_every_config_composes(data_dir):
             validate(cfg)
     for name in ("smollm2-135m", "llama2-7b"):
         cfg_with(f"model={name}")
-
-
-def run_cli(*args, env=None):
-    e = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
-    t0 = time.time()
-    p = subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, env=e, timeout=600)
-    return p, time.time() - t0
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The CPU kernel for every configuration (issue 14): rope=pre keys rotated in the kernel, against the PyTorch path
+"""The CPU kernel for every configuration: rope=pre keys rotated in the kernel, against the PyTorch path
 (which re-rotates a dequantized history) on awkward shapes, and the same greedy tokens in generation."""
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def bench_module(monkeypatch):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_cache.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_cache.py"
     spec = importlib.util.spec_from_file_location("bench_cache", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_cache", bench)  # its dataclass resolves annotations through it

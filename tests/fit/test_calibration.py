@@ -176,7 +176,7 @@ def test_methods_experiment_rows_validate(data_dir):
     """Every row of conf/experiment/methods.yaml validates for both of its tasks, and the rows are distinct caches."""
     from kvq_lab.run.config import validate
 
-    exp = OmegaConf.load(Path(__file__).parent.parent / "conf" / "experiment" / "methods.yaml")
+    exp = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "experiment" / "methods.yaml")
     rows = str(exp.hydra.sweeper.params.quant).split(",")
     labels = set()
     for row in rows:

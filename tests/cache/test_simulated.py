@@ -79,7 +79,7 @@ def test_pre_rope_keys_are_quantized_before_rotation(tiny_model):
 
 def test_padding_never_enters_groups():
     """A left-padded row sees the same quantized keys for its real tokens as the same row alone (per-token groups
-    here; every axis, sink and RoPE setting: tests/test_simulated_padding.py)."""
+    here; every axis, sink and RoPE setting: tests/cache/test_simulated_padding.py)."""
     cfg = sim(2, 2, "token", "token", g=8)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 10, 16, generator=g), torch.randn(1, 2, 10, 16, generator=g)

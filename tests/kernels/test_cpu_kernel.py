@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import left_padded_prompts, spy_cpu_kernel, spy_kept_calls
-from helpers_models import compose
-from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
+from helpers_models import compose, gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache import backends as backends_mod
@@ -186,7 +185,8 @@ def test_hadamard_generation_maps_in_the_kernel(tiny, monkeypatch):  # noqa: F81
 
 
 def test_pre_rope_keys_match_the_pytorch_path(tiny):  # noqa: F811
-    """rope=pre: the kernel rotates the keys itself (tests/test_fast_path.py); same greedy tokens as backend=torch."""
+    """rope=pre: the kernel rotates the keys itself (tests/kernels/test_cpu_kernel_configs.py); same greedy tokens as
+    backend=torch."""
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(5))
     out = {}
     for backend in ("cpu", "torch"):

@@ -1,7 +1,7 @@
-"""Issue 10's methods on plain tensors: nuq codebooks (KVQuant), dense-and-sparse outliers (KVQuant), innerq (InnerQ)
-and rotatekv (RotateKV). For each: a reference on a hand-computed case, a direction test on synthetic data with outlier
-channels measured where the tensors are consumed (`kvq_lab.probes.errors.layer_errors`: attention scores for keys,
-attention output for values), each paired with a case that must differ; and the byte accounting.
+"""Fitted and outlier methods on plain tensors: nuq codebooks (KVQuant), dense-and-sparse outliers (KVQuant), innerq
+(InnerQ) and rotatekv (RotateKV). For each: a reference on a hand-computed case, a direction test on synthetic data with
+outlier channels measured where the tensors are consumed (`kvq_lab.probes.errors.layer_errors`: attention scores for
+keys, attention output for values), each paired with a case that must differ; and the byte accounting.
 
 Fitted methods are fitted with `kvq_lab.fit.calibration.fit` on synthetic "captures" drawn independently of the data the
 errors are measured on (never the evaluated tensors), as calibration fits them on other text.

@@ -12,7 +12,7 @@ from kvq_lab.report.anchors import paper_values, row_name
 from kvq_lab.report.rows import build_rows
 from kvq_lab.report.tables import make_report, markdown_table, to_frame
 
-REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
 def test_table_rows_paper_column_and_gaps(tmp_path):

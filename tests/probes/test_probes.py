@@ -19,7 +19,7 @@ from kvq_lab.probes.metrics import sparsity, topk_mass
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.records.record import read_table
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)
 
 

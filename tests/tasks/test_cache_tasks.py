@@ -1,4 +1,4 @@
-"""Tasks where the cache is really used (issue 12): retrieval, fidelity, behaviour drift, any text for ppl/fidelity,
+"""Tasks where the cache is really used: retrieval, fidelity, behaviour drift, any text for ppl/fidelity,
 any lm-eval task, and the lm-eval `kvq` model. Scoring on hand-made cases; end to end on the tiny model."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_format_run_validates(data_dir):
 
 
 def test_cli_names_both_knobs_in_one_line(tmp_path):
-    from test_config import run_cli
+    from helpers_models import run_cli
 
     p, _ = run_cli("format=fp8_e4m3", "key_bits=2", f"results_dir={tmp_path}")
     assert p.returncode == 2

@@ -5,7 +5,8 @@ import itertools
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from helpers_models import gen
+from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.attention import ATTN_NAME
@@ -18,32 +19,6 @@ from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec
 
 AXES = list(itertools.product(["channel", "token"], repeat=2))
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=256,
-        max_position_embeddings=1024,
-        initializer_range=0.1,  # peaked logits: greedy choices far from ties
-    )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).eval()
-
-
-def gen(model, cache, ids, n=24, mask=None):
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False
-        )
-    return out[:, ids.shape[1] :]
 
 
 def packed(k=(2, 32, "channel"), v=(2, 32, "token"), **kw):

@@ -8,7 +8,7 @@ import nbformat
 from helpers_records import axis_table_results
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "kivi_axis_table.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "kivi_axis_table.ipynb"
 
 
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):

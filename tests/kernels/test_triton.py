@@ -216,7 +216,7 @@ def test_every_format_in_the_cache(name):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# issue 14: rope=pre keys, left-padded rows and fp16 / bf16 models in the decode kernel (the C kernel's semantics)
+# rope=pre keys, left-padded rows and fp16 / bf16 models in the decode kernel (the C kernel's semantics)
 # ----------------------------------------------------------------------------------------------------------------
 ROPE = frozenset({"rope"})
 PLAIN: frozenset[str] = frozenset()

@@ -1,6 +1,6 @@
 """Every registered code format through every layer that reads it: the reference (`quantize`/`dequantize`/
 `fake_quant` dispatch on the spec's format), simulated mode, packed mode, and the decode paths (PyTorch, C kernel;
-Triton's small case is in tests/test_triton.py), plus what the kernels declare they cannot read.
+Triton's small case is in tests/kernels/test_triton.py), plus what the kernels declare they cannot read.
 
 Driven by the registry: `FORMAT_CASES` iterates `FORMATS` (each at its default width, plus 3 and 8 bits where it
 takes them: a 3-bit word spans 3 bytes, 8 bits is one code per byte), so a new format is tested here with no edit.
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import spy_cpu_kernel
-from test_packed_cache import gen, tiny  # noqa: F401  (the tiny model fixture)
+from helpers_models import gen
 
 import kvq_lab.quant.formats as formats
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
