@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.metric import Metric
 
 from . import Task, TaskContext, read_data_file, register_task
 from .datasets import ADVBENCH_DATA as ADVBENCH
@@ -233,6 +234,10 @@ class BehaviorTask(Task):
     """Drift of greedy chat answers from the 16-bit model's, on harmful and neutral prompts."""
 
     name = "behavior"
+    headline = (
+        Metric("behavior/harmful/flip_rate", "refusal flips (harmful)", "lower", "%"),
+        Metric("behavior/neutral/identical", "identical answers (neutral)", "higher", "%"),
+    )
     options = ("name", "harmful", "neutral", "max_new_tokens")
     data = (ADVBENCH, TRUTHFULQA)
     limit_unit = "prompts per set"

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvq_lab.common.metric import Metric
 from kvq_lab.tasks.text import source_text
 
 from . import TaskContext, register_task
@@ -152,6 +153,10 @@ class FidelityTask(PplTask):
     """Drift of the next-token distribution from the 16-bit model's, per decode position (no accuracy)."""
 
     name = "fidelity"
+    headline = (
+        Metric("fidelity/kl_mean", "KL mean", "lower"),
+        Metric("fidelity/top1_agree", "top-1 agreement", "higher"),
+    )
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         return run_fidelity(ctx)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.metric import Metric
 
 from . import Task, TaskContext, register_task
 
@@ -297,6 +298,7 @@ class RetrievalTask(Task):
     """Exact-match accuracy of a hidden number found in a long generated haystack (RULER-style)."""
 
     name = "retrieval"
+    headline = (Metric("retrieval/acc", "retrieval EM", "higher", "%"),)
     options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill")
     limit_unit = "samples"
 
