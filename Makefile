@@ -1,9 +1,16 @@
 # Quickstart:  make run   (set up, then the default job)     make test   (set up, then the test suite)
+# Edit loop:   make check (the fast subset, no real model; ~2.5 min here)   make lint
 DATA ?= $(abspath ../shared/data)
 PY := .venv/bin/python
 ARGS ?=
+# make check leaves out what make test still runs: the real model (`slow`), end-to-end runs in subprocesses
+# (test_run, test_faults, test_cache_tasks), the Triton interpreter and GPU compile, and the C kernel's build matrix
+CHECK := -m "not slow" \
+	--ignore=tests/run/test_run.py --ignore=tests/run/test_faults.py --ignore=tests/tasks/test_cache_tasks.py \
+	--ignore=tests/kernels/test_triton.py --ignore=tests/kernels/test_triton_compile.py \
+	--ignore=tests/kernels/test_cpu_kernel.py
 
-.PHONY: setup run test test-all lint
+.PHONY: setup run test check lint
 setup:
 	@bash scripts/setup.sh
 
@@ -13,5 +20,8 @@ run: setup
 test: setup
 	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q $(ARGS)
 
+check: setup
+	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q -p no:cacheprovider $(CHECK) $(ARGS)
+
 lint: setup
-	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/lint-imports
