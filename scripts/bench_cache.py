@@ -64,6 +64,7 @@ from transformers import DynamicCache, QuantizedCache
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
 from kvq_lab.models.loading import cache_kwarg, load_model
+from kvq_lab.quant.formats import bits_per_element
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.records.provenance import code_version
@@ -181,9 +182,9 @@ def arithmetic_bytes(cache: QuantizedKVCache) -> int:
         el = layer.sink_k.element_size()
         N, S = layer.N, layer.cfg.sink_tokens
         for stream in (layer.k_stream, layer.v_stream):
-            spec, fmt = stream.spec, code_format(stream.spec)
+            spec = stream.spec
             q = stream.n_quantized(N)
-            per_element = fmt.code_bits + 16 * len(fmt.params) / spec.group_size
+            per_element = bits_per_element(code_format(spec), spec.group_size, spec.axis)  # codes + parameters
             total += B * H * D * (q * per_element / 8 + stream.window_slots * el)
         total += 2 * B * H * S * D * el
     # rope=pre: the position ids the keys are re-rotated at, one buffer for the cache's layers (per device)
