@@ -9,6 +9,12 @@ from dataclasses import dataclass
 DIRECTIONS = ("higher", "lower")
 
 
+def check_direction(name: str, direction: str) -> None:
+    """A metric's direction is one of DIRECTIONS (ValueError naming the metric otherwise)."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"metric {name}: direction={direction!r}; give one of {', '.join(DIRECTIONS)}")
+
+
 @dataclass(frozen=True)
 class Metric:
     """A metric as a table shows it.
@@ -24,8 +30,7 @@ class Metric:
     per_sample: str | None = None
 
     def __post_init__(self):
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"Metric {self.key}: direction={self.direction!r}; give one of {', '.join(DIRECTIONS)}")
+        check_direction(self.key, self.direction)
 
     def better(self, a: float, b: float) -> bool:
         """Whether value a is better than value b."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvq_lab.common.metric import DIRECTIONS
+from kvq_lab.common.metric import check_direction
 
 from .settings import DEFAULT_KIVI_EPS
 
@@ -95,8 +95,7 @@ class ErrorMetric:
     table: str | None = None
 
     def __post_init__(self):
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"ErrorMetric {self.name}: direction={self.direction!r}; give one of {DIRECTIONS}")
+        check_direction(self.name, self.direction)
 
 
 ERRORS: dict[str, ErrorMetric] = {}
