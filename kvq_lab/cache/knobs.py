@@ -40,7 +40,7 @@ class CacheKnobs:
     bits: Any = knob(
         None,
         "1, 2, 3, 4, 8; 16 = no quantization. `bits` sets both; `null`: the format's width "
-        "(int 2, lut 2, fp8 8, nuq 3)",
+        "(int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, iq4_nl 4)",
     )
     key_bits: Any = knob(None, row="bits")
     value_bits: Any = knob(None, row="bits")
@@ -49,7 +49,9 @@ class CacheKnobs:
         "code format: `int` (asymmetric uniform, KIVI's; `null` means int), `fp8_e4m3`, `fp8_e5m2` (8-bit float codes "
         "times an fp16 absmax scale per group, no zero point: 8.5 bits per element at G=32; a width other than 8 is an "
         "error), `lut` (2^b sorted code values under a per-group scale and zero, NormalFloat by default), `nuq` "
-        "(KVQuant's non-uniform codes: 1-4 bits, a codebook per layer fitted on calibration text, run as `lut`). "
+        "(KVQuant's non-uniform codes: 1-4 bits, a codebook per layer fitted on calibration text, run as `lut`), "
+        "llama.cpp's cache types `q8_0`, `q4_0`, `q4_1`, `iq4_nl` (ggml's block arithmetic bit for bit: "
+        "`group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`). "
         "`format` sets both",
     )
     key_format: Any = knob(None, row="format")

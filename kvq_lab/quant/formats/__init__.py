@@ -18,6 +18,8 @@ Registered formats (import `kvq_lab.quant.formats.builtin` to register them all)
     fp8_e4m3/e5m2     8-bit float codes times a per-group absmax scale, no zero point
     lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
     nuq               KVQuant's non-uniform codes: lut at 1-4 bits with a codebook fitted per layer (calibration)
+    q8_0, q4_0, q4_1  llama.cpp's cache block types, ggml's arithmetic bit for bit (codes from the fp32 scale)
+    iq4_nl            llama.cpp's non-linear 4-bit type: 16 fixed values, a searched fp16 scale per group
 
 Adding a format
 ---------------

@@ -1,0 +1,77 @@
+"""llama.cpp's block types (`q8_0`, `q4_0`, `q4_1`, `iq4_nl`) against ggml itself: the `gguf` package's numpy port of
+ggml's reference quantizers is the oracle. A group of 32 along a row (`group_size=32`, per-token) is one ggml block:
+our fp16 parameters and codes, laid out as ggml's block bytes, must equal `gguf.quants.quantize` byte for byte, and
+`gguf.quants.dequantize` of those bytes must equal our dequantization (iq4_nl: dequantize only, gguf has no
+quantizer for it)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+from kvq_lab.quant.formats import builtin, get_format  # noqa: F401  (registers the formats)
+
+TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "iq4_nl": T.IQ4_NL}
+
+
+def blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, zero) -> np.ndarray:
+    """Our (codes [n, 32], scale [n], zero [n] or None) as ggml block bytes [n, block bytes]."""
+    d = scale.numpy().astype(np.float16).view(np.uint8).reshape(-1, 2)
+    c = codes.numpy().astype(np.uint8)
+    if name == "q8_0":
+        qs = (c.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
+    else:  # 4-bit: element j in the low nibble of byte j, element j + 16 in its high nibble
+        qs = c[:, :16] | (c[:, 16:] << 4)
+    parts = [d] + ([zero.numpy().astype(np.float16).view(np.uint8).reshape(-1, 2)] if zero is not None else [])
+    return np.concatenate([*parts, qs], axis=1)
+
+
+def awkward(seed: int) -> torch.Tensor:
+    """[n, 32] fp32 rows: gaussian, heavy tails, one outlier, ties of magnitude (+-m), constants, zeros, tiny values
+    whose fp16 scale is subnormal, values on ggml's rounding boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g) ** 3 * 5]
+    out = torch.randn(4, 32, generator=g)
+    out[:, 5] = 300.0
+    tie = torch.randn(4, 32, generator=g)
+    tie[:, 3], tie[:, 9] = 2.5, -2.5  # two elements of the same largest magnitude: the first one decides
+    tie[:, 4:9] = tie[:, 4:9].clamp(-2, 2)
+    tie[:, 10:] = tie[:, 10:].clamp(-2, 2)
+    steps = torch.arange(32, dtype=torch.float32).repeat(4, 1) / 31 * 15 - 7.5  # k / 2 steps: rounding ties
+    rows += [out, tie, torch.full((2, 32), 3.7), torch.zeros(2, 32), torch.randn(4, 32, generator=g) * 1e-6, steps]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_codes_and_parameters_are_ggmls_bytes(name, seed):
+    x = awkward(seed)
+    codes, scale, zero = get_format(name).quantize_groups(x[None])
+    ours = blocks(name, codes[0], scale[0], None if zero is None else zero[0])
+    theirs = quants.quantize(x.numpy(), TYPES[name]).reshape(ours.shape)
+    bad = np.nonzero((ours != theirs).any(1))[0]
+    assert not len(bad), f"{name}: rows {bad[:5].tolist()} differ from ggml's blocks"
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_dequantization_is_ggmls(name):
+    x = awkward(3)
+    fmt = get_format(name)
+    codes, scale, zero = fmt.quantize_groups(x[None])
+    ours = fmt.dequantize_groups(codes, scale, zero)[0].numpy()
+    theirs = quants.dequantize(blocks(name, codes[0], scale[0], None if zero is None else zero[0]), TYPES[name])
+    np.testing.assert_array_equal(ours, theirs.reshape(ours.shape))
+
+
+def test_iq4_nl_table_is_ggmls_and_its_search_beats_the_plain_scale():
+    from kvq_lab.quant.formats.iq4_nl import VALUES, nearest
+
+    assert tuple(quants.IQ4_NL.kvalues) == VALUES
+    assert nearest(torch.tensor([-200.0, -115.5, 7.0, 12.0, 113.0, 500.0])).tolist() == [0, 1, 9, 9, 15, 15]
+    x = awkward(4)[:48]
+    fmt = get_format("iq4_nl")
+    err = (fmt.dequantize_groups(*fmt.quantize_groups(x[None]))[0] - x).pow(2).mul(x * x).sum()
+    m = x.gather(-1, x.abs().argmax(-1, keepdim=True))  # the search's starting point: d = m / 127, no search
+    plain = (torch.tensor(VALUES)[nearest(x * 127 / m)] * (m / 127) - x).pow(2).mul(x * x).sum()
+    assert err < plain  # ggml's weighted least-squares search finds a better scale than the absmax one
