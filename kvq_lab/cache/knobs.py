@@ -78,7 +78,9 @@ class CacheKnobs:
     transform: Any = knob(
         None,
         "maps around each quantizer, undone after it: `none`, `hadamard` (orthonormal rotation of the head dim, "
-        "QuaRot; `hadamard:<n>`: blocks of n channels), `rope_pre` (keys only; what `rope=pre` sets); a list composes "
+        "QuaRot; `hadamard:<n>`: blocks of n channels), `rhadamard` (random signs then Hadamard, seeded: "
+        "`rhadamard:<seed>`; the rotation TurboQuant's engines use), `rope_pre` (keys only; what `rope=pre` sets); "
+        "a list composes "
         "in order, e.g. `key_transform=[rope_pre,hadamard]`. Fitted on calibration text: `innerq` (keys only; a "
         "power-of-two scale per head and channel, keys divided, query multiplied: InnerQ; `innerq:<alpha>` scales by "
         "max\\|k\\|^alpha, 0 < alpha <= 1, SmoothQuant-style partial scaling), `rotatekv` (a per-head channel reorder "

@@ -27,12 +27,12 @@ from kvq_lab.kernels import cpu_kernel
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
 from kvq_lab.probes.settings import ProbeSettings
-from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import TRANSFORMS, get_transform
 from kvq_lab.quant.transforms.hadamard import fwht
 from kvq_lab.run.config import ConfigError, config_hash, validate
 
-OPTIONS = ["hadamard:16"]  # spellings with an option, beside every registered name
+OPTIONS = ["hadamard:16", "rhadamard:7"]  # spellings with an option, beside every registered name
 # fitted transforms (innerq, rotatekv) by an instance fitted on synthetic keys: their bare spelling has no parameters
 SPELLINGS = [TRANSFORMS[n].example().spelling for n in sorted(TRANSFORMS)] + OPTIONS
 FOLDABLE = [s for s in SPELLINGS if get_transform(s).foldable]
@@ -407,3 +407,34 @@ def test_step_position_ids_are_computed_once_per_forward(tiny_model):
         assert step_position_ids(helper, {"position_ids": inf}, 1, 3, 1, inf.device)[0] is first
         inf += 4  # no version counter: the values are compared
         assert step_position_ids(helper, {"position_ids": inf}, 1, 3, 1, inf.device)[1] == 7
+
+
+# --- rhadamard -------------------------------------------------------------------------------------------------
+def test_rhadamard_is_random_signs_then_the_sylvester_rotation():
+    from kvq_lab.quant.transforms.hadamard import matrix
+    from kvq_lab.quant.transforms.rhadamard import signs
+
+    x = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(0))
+    for seed in (0, 3):
+        t = get_transform("rhadamard" if seed == 0 else f"rhadamard:{seed}")
+        s = signs(seed, 64, "cpu")
+        assert set(s.tolist()) == {-1.0, 1.0}
+        torch.testing.assert_close(t.forward(x), (x * s) @ matrix(64))  # matrix: H / sqrt(n)
+        torch.testing.assert_close(t.inverse(t.forward(x)), x)
+    assert not torch.equal(signs(0, 64, "cpu"), signs(3, 64, "cpu"))
+
+
+def test_rhadamard_flattens_a_coordinate_distribution_that_hadamard_keeps():
+    """A vector aligned with a Hadamard row stays a spike under `hadamard` (all its energy in one coordinate) but
+    spreads under random signs: the point of the randomization."""
+    from kvq_lab.quant.transforms.hadamard import matrix
+
+    row = matrix(64)[5].reshape(1, 1, 1, 64)
+    had, rhad = get_transform("hadamard").forward(row), get_transform("rhadamard").forward(row)
+    assert had.abs().max() == pytest.approx(1.0)  # |row| = 1, all in one coordinate
+    assert rhad.abs().max() < 0.5
+
+
+def test_rhadamard_seed_is_checked():
+    with pytest.raises(QuantConfigError, match=r"rhadamard:x needs a seed"):
+        get_transform("rhadamard:x")
