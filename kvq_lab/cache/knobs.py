@@ -40,7 +40,7 @@ class CacheKnobs:
     bits: Any = knob(
         None,
         "1, 2, 3, 4, 8; 16 = no quantization. `bits` sets both; `null`: the format's width "
-        "(int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, iq4_nl 4)",
+        "(int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, iq4_nl 4, turbo 3)",
     )
     key_bits: Any = knob(None, row="bits")
     value_bits: Any = knob(None, row="bits")
@@ -51,7 +51,9 @@ class CacheKnobs:
         "error), `lut` (2^b sorted code values under a per-group scale and zero, NormalFloat by default), `nuq` "
         "(KVQuant's non-uniform codes: 1-4 bits, a codebook per layer fitted on calibration text, run as `lut`), "
         "llama.cpp's cache types `q8_0`, `q4_0`, `q4_1`, `iq4_nl` (ggml's block arithmetic bit for bit: "
-        "`group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`). "
+        "`group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`), `turbo` "
+        "(TurboQuant's MSE stage, 1-4 bits: one norm per group, Lloyd-Max levels per coordinate; with `rhadamard` "
+        "and `group_size` = the head dim: `quant=turboquant_mse_<b>b`). "
         "`format` sets both",
     )
     key_format: Any = knob(None, row="format")
