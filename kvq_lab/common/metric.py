@@ -31,7 +31,3 @@ class Metric:
 
     def __post_init__(self):
         check_direction(self.key, self.direction)
-
-    def better(self, a: float, b: float) -> bool:
-        """Whether value a is better than value b."""
-        return a > b if self.direction == "higher" else a < b

@@ -110,10 +110,9 @@ def register_error(m: ErrorMetric) -> ErrorMetric:
     return m
 
 
-register_error(ErrorMetric("kivi_ratio", lambda x, xq, dims, eps: kivi_ratio(x, xq, dims, eps)))
+register_error(ErrorMetric("kivi_ratio", kivi_ratio))
 register_error(ErrorMetric("rel_fro", lambda x, xq, dims, eps: rel_fro(x, xq, dims), table="err"))
 register_error(ErrorMetric("sqnr_db", lambda x, xq, dims, eps: sqnr_db(x, xq, dims), "higher", "dB"))
-FUSED = ("kivi_ratio", "rel_fro", "sqnr_db")  # computed together by `all_errors`, sharing the difference and sums
 
 
 def all_errors(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1), eps: float = DEFAULT_KIVI_EPS) -> dict:
@@ -123,7 +122,7 @@ def all_errors(x: torch.Tensor, xq: torch.Tensor, dims=(-2, -1), eps: float = DE
     e, d = xf - xq.float(), _dims(x, dims)
     err, ref = _energies(xf, e, d)
     out = {"kivi_ratio": _kivi(xf, e, d, eps), "rel_fro": _rel_fro(err, ref), "sqnr_db": _sqnr_db(err, ref)}
-    out.update({n: m.compute(x, xq, dims, eps) for n, m in ERRORS.items() if n not in FUSED})
+    out.update({n: m.compute(x, xq, dims, eps) for n, m in ERRORS.items() if n not in out})
     return out
 
 

@@ -220,6 +220,11 @@ class CodeFormat(ABC):
         """fp32 [2^bits] on `device` (built once per format and device: do not modify it)."""
         return _table(self, str(device or "cpu"))
 
+    def midpoints(self, device=None) -> torch.Tensor:
+        """fp32 [2^bits - 1]: (table[i] + table[i + 1]) / 2, the decision boundaries of nearest-entry rounding for a
+        sorted table (lut, turbo), built once per format and device."""
+        return _midpoints(self, str(device or "cpu"))
+
     @abstractmethod
     def quantize_groups(
         self, g: torch.Tensor, valid: torch.Tensor | None = None
@@ -243,6 +248,12 @@ class CodeFormat(ABC):
 @cache
 def _table(fmt: CodeFormat, device: str) -> torch.Tensor:
     return fmt.build_table().to(device)
+
+
+@cache
+def _midpoints(fmt: CodeFormat, device: str) -> torch.Tensor:
+    t = fmt.table(device)
+    return (t[:-1] + t[1:]) / 2
 
 
 # -- byte accounting ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Arithmetic shared by llama.cpp's KV-cache block types (`q8_0`, `q4_0`, `q4_1`, `iq4_nl`): not a format itself.
+"""Arithmetic shared by llama.cpp's KV-cache block types (`q8_0`, `q4_0`, `q4_1`, `iq4_nl`; `turbo` reuses its masking,
+zero-safe inverse and fp16 storage): not a format itself.
 
 ggml quantizes each block of 32 values of a row (here: a group, `group_size=32 key_axis=token` for llama.cpp's own
 layout) from fp32, computing codes with the fp32 scale and storing the scale (and q4_1's minimum) rounded to fp16;

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property
 
 import torch
 
@@ -101,7 +101,7 @@ class LUTFormat(CodeFormat):
     def half_gap(self) -> float:
         """Largest distance from a table entry to a midpoint next to it (max_gap / 2 up to fp32 midpoints)."""
         t = self.table().double()
-        m = _midpoints(self, "cpu").double()
+        m = self.midpoints().double()
         return float(torch.maximum(m - t[:-1], t[1:] - m).max())
 
     def build_table(self) -> torch.Tensor:
@@ -124,7 +124,7 @@ class LUTFormat(CodeFormat):
         scale = fp16_round_up(mx - zero.float())
         z, s = zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)  # [..., n, 1]
         u = (x - z) / torch.where(s > 0, s, torch.ones_like(s))  # [..., n, G], in [0, 1] where valid
-        m = _midpoints(self, str(g.device))
+        m = self.midpoints(g.device)
         u = u.contiguous()  # [..., n, G]: searchsorted copies a strided input anyway
         lo = torch.searchsorted(m, u)  # midpoints < u
         hi = torch.searchsorted(m, u, right=True)  # midpoints <= u: hi = lo + 1 exactly on a midpoint
@@ -136,10 +136,3 @@ class LUTFormat(CodeFormat):
     def error_bound(self, g: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
         """[..., n, G]: scale * max_gap / 2."""
         return (scale.float() * self.half_gap).unsqueeze(-1).expand(g.shape)
-
-
-@cache
-def _midpoints(fmt: LUTFormat, device: str) -> torch.Tensor:
-    """fp32 [2^bits - 1]: (t_i + t_{i+1}) / 2, the decision boundaries of nearest-entry rounding."""
-    t = fmt.table(device)
-    return (t[:-1] + t[1:]) / 2

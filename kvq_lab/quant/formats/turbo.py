@@ -82,9 +82,7 @@ class TurboFormat(CodeFormat):
         return x.square().sum(-1).sqrt() / (n**0.5 if valid is None else n.float().sqrt())
 
     def _nearest(self, y: torch.Tensor) -> torch.Tensor:
-        t = self.table(y.device)
-        mids = (t[1:] + t[:-1]) / 2
-        return torch.searchsorted(mids, y.contiguous())  # a value on a midpoint goes to the lower level
+        return torch.searchsorted(self.midpoints(y.device), y.contiguous())  # on a midpoint: the lower level
 
     def quantize_groups(self, g, valid=None):
         x = g.float()
