@@ -133,8 +133,10 @@ def _decode_attn_kernel(
     acc = tl.zeros((RP, D), tl.float32)
     p_lo = chunk * CH
     p_hi = tl.minimum(p_lo + CH, N)
-    for t0 in range(p_lo, p_hi, TT):
-        p = t0 + tl.arange(0, TT)
+    # the loop's bounds are plain arguments: the interpreter of triton 3.6 takes no tensor (p_hi) as a range bound;
+    # positions past p_hi (the last chunk's tail) are masked off below
+    for t0 in range(0, CH, TT):
+        p = p_lo + t0 + tl.arange(0, TT)
         j = p - pad
         live = (p < p_hi) & (j >= 0)
         sink = live & (j < s)
