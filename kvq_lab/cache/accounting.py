@@ -7,6 +7,8 @@ add what the methods store besides, for a sequence of N tokens of one layer's [H
     quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
                      of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
+    residuals        each quantized token's residual corrections (`kvq_lab.quant.residuals`: `token_bytes(D)` per token
+                     and head, e.g. qjl:64 on D = 64: 8 sign bytes + an fp16 norm, 1.25 bits per element)
     per layer        the format's table where it stores one (`CodeFormat.table_bytes`: a lut/nuq codebook, fp32,
                      2^bits entries), key outlier thresholds (fp16, H * D), and what each transform stores
                      (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders, 1 byte, H * D)
@@ -41,6 +43,9 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     if f:
         share = f if tensor == "key" else max(1, round(f * head_dim)) / head_dim
         bits += quant * share * 8 * entry_bytes()
+    chain = cache.residual(tensor)
+    if chain is not None:
+        bits += quant * 8 * chain.token_bytes(head_dim) / head_dim
     per_layer = 8 * fmt.table_bytes  # bytes -> bits, over H*N*D elements
     if tensor == "key" and cache.key_outlier_thresholds is not None:
         per_layer += 16 * heads * head_dim

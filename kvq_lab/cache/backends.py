@@ -161,7 +161,8 @@ def resolve(cache, width: int | None = None) -> str | None:
     """The backend a cache of this config runs (`torch`, `cpu` or `triton`), decided before any model loads, so that
     records name it and `auto` is the same run as what it picks: simulated mode runs the PyTorch reference; `auto`
     picks as `get_backend` does (Triton with CUDA, else the CPU kernel where it builds, else torch; a format the
-    kernel cannot read: torch); packed sparse outliers read the dequantized history in PyTorch; mode=recompute's
+    kernel cannot read: torch); packed sparse outliers and residual corrections read the dequantized history in
+    PyTorch; mode=recompute's
     Triton path needs a power-of-two `width` of X (None where the width is not known before the load: the layer
     decides, and this returns None)."""
     if cache.mode == "simulated":
@@ -177,7 +178,7 @@ def resolve(cache, width: int | None = None) -> str | None:
                 from kvq_lab.kernels import triton as _  # noqa: F401
             if unsupported_formats(name, specs):
                 return "torch"
-    if cache.mode == "packed" and (cache.outliers("key") is not None or cache.outliers("value") is not None):
+    if cache.mode == "packed" and cache.reads_dequantized():
         return "torch"
     if cache.mode == "recompute" and name == "triton" and cache.backend == "auto" and not cache.key.is_identity:
         if width is None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
+from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
+from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
 from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
@@ -47,6 +50,8 @@ class CacheConfig:
         checked here against its bits (fp8: 8 only).
     key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
         per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5).
+    key_residual, value_residual: corrections of each quantizer's error (`kvq_lab.quant.residuals`: `qjl:<m>`,
+        `sparse:<frac>`), canonical spellings in order; stored per token beside the codes and counted in `nbytes()`.
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
     layers: one config per decoder layer, fitted by calibration (`kvq_lab.fit.calibration`: nuq codebooks as lut specs,
         fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
@@ -64,6 +69,8 @@ class CacheConfig:
     recompute_rank: int | None = None  # mode=recompute: cache X's projection on the top-r right singular vectors
     key_outliers: float = 0.0
     value_outliers: float = 0.0
+    key_residual: tuple[str, ...] = ()
+    value_residual: tuple[str, ...] = ()
     key_outlier_thresholds: tuple[float, ...] | None = None
     layers: tuple[CacheConfig, ...] = ()
 
@@ -93,6 +100,15 @@ class CacheConfig:
             if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 0.5:
                 raise QuantConfigError(f"{name}={f!r} must be a fraction in [0, 0.5) (e.g. 0.01: 1% kept exact)")
             object.__setattr__(self, name, float(f))
+        for tensor, spec in (("key", self.key), ("value", self.value)):
+            knob = f"{tensor}_residual"
+            spellings = check_residuals(getattr(self, knob), knob)
+            object.__setattr__(self, knob, spellings)
+            if spellings and spec.is_identity:
+                raise QuantConfigError(
+                    f"{knob}={','.join(spellings)} corrects a quantizer's error, but {tensor}s are not quantized "
+                    f"({tensor}_bits=16): unset {knob} or quantize {tensor}s"
+                )
         if self.key_outlier_thresholds is not None:
             object.__setattr__(self, "key_outlier_thresholds", tuple(map(float, self.key_outlier_thresholds)))
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -124,10 +140,10 @@ class CacheConfig:
                 f"mode=recompute stores one tensor, X, with the key quantizer: the value quantizer ({v.short()}) must "
                 f"have the key's bits and format ({k.short()}); set bits= (and format=) for both"
             )
-        if self.key_transform or self.value_transform or self.layers:
+        if self.key_transform or self.value_transform or self.layers or self.key_residual or self.value_residual:
             raise QuantConfigError(
                 "mode=recompute quantizes X before the projections: transforms (rope=pre, key_transform, "
-                "value_transform) and per-layer configs do not apply; unset them"
+                "value_transform), residual corrections and per-layer configs do not apply; unset them"
             )
 
     def check_head_dim(self, head_dim: int) -> None:
@@ -137,6 +153,8 @@ class CacheConfig:
         self.value.check_head_dim(head_dim, "group_size (values)")
         check_head_dim(self.key_transform, head_dim, "key_transform")
         check_head_dim(self.value_transform, head_dim, "value_transform")
+        check_residual_head_dim(self.key_residual, head_dim, "key_residual")
+        check_residual_head_dim(self.value_residual, head_dim, "value_residual")
 
     def pipelines(self) -> tuple[Pipeline | None, Pipeline | None]:
         """(keys, values): the transforms each tensor's quantizer is wrapped in, None where none applies (a 16-bit
@@ -168,6 +186,17 @@ class CacheConfig:
         f = self.value_outliers
         return Outliers(f, "token") if f and not self.value.is_identity else None
 
+    def reads_dequantized(self) -> bool:
+        """The packed cache stores what kernels cannot read from codes (sparse outliers, residual corrections): its
+        history is read dequantized, in PyTorch."""
+        has = (self.outliers(t) is not None or self.residual(t) is not None for t in ("key", "value"))
+        return any(has)
+
+    def residual(self, tensor: str) -> Chain | None:
+        """The corrections of `tensor`'s ("key" / "value") quantizer error (`kvq_lab.quant.residuals.Chain`), or
+        None."""
+        return build_chain(getattr(self, f"{tensor}_residual"))
+
     def label(self) -> str:
         """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
         extra = f"_R{self.residual_length}" if self.mode != "simulated" else ""
@@ -180,6 +209,8 @@ class CacheConfig:
             extra += f"_{tag}{'+'.join(shown)}" if shown else ""
         for tag, f in (("K", self.key_outliers), ("V", self.value_outliers)):
             extra += f"_{tag}out{f:g}" if f else ""
+        for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
+            extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
         if self.mode == "recompute":  # one tensor, X, under the key quantizer
             return f"X{self.key.short()}_{self.mode[:3]}{extra}"
         return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"

@@ -98,6 +98,17 @@ class CacheKnobs:
         "counted in `nbytes()` and `cache/bits_total`",
     )
     value_outliers: Any = knob(0.0, row="key_outliers")
+    residual: Any = knob(
+        None,
+        "corrections of the quantization error, stored per token beside the codes and counted in `nbytes()` (not "
+        "the fp window, `residual_length`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
+        "plus its fp16 norm, rebuilt so that inner products are unbiased; `qjl:<m>:<seed>`; TurboQuant's `_prod` "
+        "stage: `quant=turboquant_prod_3b`; on KIVI's keys: `quant=qjl_keys`), `sparse:<frac>` (the largest "
+        "errors of each vector as fp16 values and channel indices; GEAR's "
+        "sparse term); a list composes in order, e.g. `key_residual=[sparse:0.01,qjl:64]`. `residual` sets both",
+    )
+    key_residual: Any = knob(None, row="residual")
+    value_residual: Any = knob(None, row="residual")
     backend: Any = knob(
         "auto",
         "packed mode's kernels: `torch` (pure PyTorch), `cpu` (a C kernel for decode attention, compiled on first use "
@@ -185,6 +196,21 @@ def _transforms(k: Mapping, tensor: str) -> tuple[str, ...]:
         raise ConfigError(f"{e}{hint}") from None
 
 
+def _residuals(k: Mapping, tensor: str) -> tuple[str, ...]:
+    """One tensor's residual corrections: `residual` or `<tensor>_residual` (null or none: none; a list composes)."""
+    from kvq_lab.quant.residuals import builtin as _plugins  # noqa: F401  (registers the built-in corrections)
+    from kvq_lab.quant.residuals import check_residuals
+
+    both, own = _listed(k.get("residual")), _listed(k.get(f"{tensor}_residual"))
+    if both is not None and own is not None and both != own:
+        raise ConfigError(f"residual={_show(both)} and {tensor}_residual={_show(own)} disagree; set one of them")
+    name = "residual" if both is not None else f"{tensor}_residual"
+    try:
+        return check_residuals(both if both is not None else own, name)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _show(v) -> str:
     """A knob's value as written on the command line: `hadamard`, `[rope_pre,hadamard]`."""
     return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
@@ -223,6 +249,8 @@ def cache_config(knobs: Mapping) -> CacheConfig:
             value_transform=_transforms(k, "value"),
             key_outliers=k["key_outliers"],
             value_outliers=k["value_outliers"],
+            key_residual=_residuals(k, "key"),
+            value_residual=_residuals(k, "value"),
             recompute_rank=_recompute_rank(k),
         )
     except QuantConfigError as e:

@@ -81,16 +81,16 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._args = (cfg, rope, padding)
         self.backend = get_backend(cfg.backend, (cfg.key, cfg.value))  # formats a kernel cannot read: torch
-        if cfg.outliers("key") is not None or cfg.outliers("value") is not None:
-            self.backend = get_backend("torch")  # sparse outliers: the PyTorch path reads the dequantized history
+        if cfg.reads_dequantized():
+            self.backend = get_backend("torch")  # outliers, residuals: the PyTorch path reads the dequantized history
         self.all_finite = self.backend.all_finite  # the check of each new key and value: the backend's
         self.fused = False  # set by `prepare_model` when the model's attention is routed through kvq_sdpa
         self.N = 0
         self.pads: list[int] = []
         self.sink_k = self.sink_v = None
         R, S = cfg.residual_length, cfg.sink_tokens
-        self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"))
-        self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"))
+        self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"), cfg.residual("key"))
+        self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"), cfg.residual("value"))
         self._fold_pair = self.k_pipe is not None and self.k_pipe.foldable and self.k_pipe == self.v_pipe
         for stream, pipe in ((self.k_stream, self.k_pipe), (self.v_stream, self.v_pipe)):
             if pipe is not None and not pipe.foldable:  # applied as tokens are quantized (the module docstring)

@@ -104,15 +104,15 @@ class PackedDecode:
     @property
     def _rows_fused(self) -> bool:
         """A left-padded batch decodes through the backend's kernel: it reads per-row layouts (`rows`), and nothing
-        is left to undo on a dequantized history (no sparse outliers; transforms fold, or rope=pre in the kernel).
-        Else `update` returns the materialized K/V (the model's SDPA over the padded batch)."""
+        is left to undo on a dequantized history (no sparse outliers or residual corrections; transforms fold, or
+        rope=pre in the kernel). Else `update` returns the materialized K/V (the model's SDPA over the padded batch)."""
         ok = self.__dict__.get("_rows_ok")
         if ok is None:
             kp, vp = self.k_pipe, self.v_pipe
             ok = (
                 "rows" in self.backend.features
-                and self.k_stream.store.outliers is None
-                and self.v_stream.store.outliers is None
+                and not _reads_dequantized(self.k_stream)
+                and not _reads_dequantized(self.v_stream)
                 and (vp is None or vp.foldable)
                 and (kp is None or kp.foldable or ("rope" in self.backend.features and self._rope_view() is not None))
             )
@@ -191,3 +191,10 @@ def _in_kernel(pipe, feature: str):
     if pipe is None or len(pipe.transforms) != 1 or pipe.transforms[0].kernel_feature != feature:
         return None
     return pipe.transforms[0]
+
+
+def _reads_dequantized(stream) -> bool:
+    """The stream stores what a kernel cannot read from codes (`PackedStore.reads_dequantized`); an exact one does
+    not."""
+    store = getattr(stream, "store", None)
+    return store is not None and store.reads_dequantized

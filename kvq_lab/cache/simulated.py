@@ -76,8 +76,10 @@ class SimulatedLayer(SimulatedRows, QuantizedLayerBase):
 
     def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
         S = self.cfg.sink_tokens
-        return FakeQuantStream(self.cfg.key, S, self.cfg.outliers("key"), keep_final=False), FakeQuantStream(
-            self.cfg.value, S, self.cfg.outliers("value"), keep_final=False
+        c = self.cfg
+        return tuple(
+            FakeQuantStream(getattr(c, t), S, c.outliers(t), keep_final=False, residual=c.residual(t))
+            for t in ("key", "value")
         )
 
     def _append(self, name: str, x: torch.Tensor) -> torch.Tensor:

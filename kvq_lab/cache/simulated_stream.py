@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvq_lab.quant.outliers import Outliers, fake_quant
+from kvq_lab.quant.residuals import Chain
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.quant.transforms import Pipeline, Positions
 
@@ -30,10 +31,18 @@ class FakeQuantStream:
     call (a decode step costs one group, not the whole history); `view` the whole tensor, which needs the final
     groups kept (`keep_final`)."""
 
-    def __init__(self, spec: QuantSpec, sink_tokens: int, outliers: Outliers | None = None, keep_final: bool = True):
+    def __init__(
+        self,
+        spec: QuantSpec,
+        sink_tokens: int,
+        outliers: Outliers | None = None,
+        keep_final: bool = True,
+        residual: Chain | None = None,
+    ):
         self.spec = spec
         self.sink = sink_tokens
         self.outliers = outliers  # dense-and-sparse: these elements stay exact (kvq_lab.quant.outliers)
+        self.residual = residual  # corrections of the error, per token (kvq_lab.quant.residuals)
         self.keep_final = keep_final
         self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done) (with keep_final)
         self.done = 0  # tokens after the sinks in whole groups: final, never recomputed
@@ -49,7 +58,7 @@ class FakeQuantStream:
             return lo, exact[..., lo:, :]
         start = self.sink + self.done
         new = exact[..., start:, :]
-        deq = fake_quant(new, self.spec, self.outliers, partial="zero")
+        deq = fake_quant(new, self.spec, self.outliers, partial="zero", residual=self.residual)
         n = new.shape[-2]
         keep = n if self.spec.axis == "token" else n // self.spec.group_size * self.spec.group_size
         parts = [exact[..., lo : self.sink, :]] if lo < self.sink else []
@@ -69,12 +78,12 @@ class FakeQuantStream:
         at positions pads[b] onwards, one new token each since the previous call), out [B, H, >= T, D] what attention
         sees, rewritten where it changes. The same arithmetic as `tail` row by row, in one fake-quant call: a row's
         open per-channel group is its last tokens zero-padded to G in both. Returns False, having done nothing, where
-        it does not apply (outliers; kept final groups; a row that got more than one token or whose new token is a
-        sink; a batch narrower than a group): `tail` then runs row by row."""
+        it does not apply (outliers; residual corrections; kept final groups; a row that got more than one token or
+        whose new token is a sink; a batch narrower than a group): `tail` then runs row by row."""
         first = streams[0]
         spec, B, T = first.spec, exact.shape[0], exact.shape[-2]
         lens = [T - p for p in pads]
-        if first.outliers is not None or first.keep_final or len(streams) != B:
+        if first.outliers is not None or first.residual is not None or first.keep_final or len(streams) != B:
             return False
         if any(st.seen != n - 1 or n - 1 < st.sink for st, n in zip(streams, lens, strict=True)):
             return False
@@ -139,10 +148,11 @@ def simulate(
     pos: Positions | None = None,
     sink_tokens: int = 0,
     outliers: Outliers | None = None,
+    residual: Chain | None = None,
 ) -> torch.Tensor:
     """What simulated mode's attention sees of a whole tensor x [B, H, T, D] (no padding), in one call: the first
     `sink_tokens` tokens exact; the others transformed by `pipe` (at positions `pos`), fake-quantized with groups from
-    the first non-sink token (a partial per-channel group zero-padded, as KIVI's fake quant; `outliers` kept exact),
-    transforms undone."""
-    stream = FakeQuantStream(spec, sink_tokens, outliers)
+    the first non-sink token (a partial per-channel group zero-padded, as KIVI's fake quant; `outliers` kept exact;
+    `residual` corrections added), transforms undone."""
+    stream = FakeQuantStream(spec, sink_tokens, outliers, residual=residual)
     return stream.view(x) if pipe is None else _around(stream, x, pipe.forward(x, pos), pipe, pos)

@@ -6,7 +6,8 @@ import torch
 
 from kvq_lab.quant.outliers import Outliers
 from kvq_lab.quant.pack import BLOCK, word_layout
-from kvq_lab.quant.reference import code_format
+from kvq_lab.quant.reference import code_format, fake_quant
+from kvq_lab.quant.residuals import Chain
 from kvq_lab.quant.spec import QuantSpec
 
 
@@ -26,11 +27,17 @@ class PackedStore:
         (as sinks and windows are kept; fp16 models: 2 bytes) and `out_idx` int32 [K], the flat index
         ((b * H + h) * T_max + t) * D + d (T_max = 2^31 // (B * H * D)); `dequantize` puts them back.
         The same mask and quantizer call as simulated mode (`kvq_lab.quant.outliers.fake_quant`).
+    residual (`kvq_lab.quant.residuals.Chain`, or None): corrections of the error each written token's codes leave
+        (r = x - deq(x), 0 at outliers and padding), stored as `res` uint8 [B, H, n_blocks * BLOCK, token_bytes(D)]
+        (exactly the bytes the method stores, allocated in whole blocks like the codes); `dequantize` adds their
+        rebuild, as simulated mode does.
     """
 
-    def __init__(self, spec: QuantSpec, backend, outliers: Outliers | None = None):
+    def __init__(self, spec: QuantSpec, backend, outliers: Outliers | None = None, residual: Chain | None = None):
         self.spec = spec
         self.outliers = outliers
+        self.residual = residual
+        self.res: torch.Tensor | None = None
         self.out_val: torch.Tensor | None = None
         self.out_idx: torch.Tensor | None = None
         self.format = code_format(spec)
@@ -47,6 +54,12 @@ class PackedStore:
         u, nb = word_layout(self.bits)
         self._m, self._nb = BLOCK // u, nb  # rows per plane, bytes per word
 
+    @property
+    def reads_dequantized(self) -> bool:
+        """What the kernels cannot read from codes alone is stored (sparse outliers, residual corrections): the
+        history is read dequantized (`dequantize`), in PyTorch."""
+        return self.outliers is not None or self.residual is not None
+
     # -- growth ------------------------------------------------------------------------------------------------
     def _reserve(self, n_tokens: int, like: torch.Tensor) -> None:
         """Grow storage to hold positions [0, n_tokens) for all B rows (`like`: [B or fewer, H, *, D])."""
@@ -60,9 +73,14 @@ class PackedStore:
             self.scale = like.new_zeros(B, H, 0, p_last, dtype=torch.float16)
             self.zero = self.scale.clone() if "zero" in self.format.params else None
             self.table = None if self.format.codes_are_values else self.format.table(like.device)
+            if self.residual is not None:
+                self.res = like.new_zeros(B, H, 0, self.residual.token_bytes(D), dtype=torch.uint8)
         if rows > self.codes.shape[2]:
             self.generation += 1
             self.codes = torch.cat([self.codes, self.codes.new_zeros(B, H, rows - self.codes.shape[2], D)], 2)
+        if self.res is not None and blocks * BLOCK > self.res.shape[2]:
+            extra = self.res.new_zeros(B, H, blocks * BLOCK - self.res.shape[2], self.res.shape[3])
+            self.res = torch.cat([self.res, extra], 2)
         n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
         if n_par > self.scale.shape[2]:
             self.generation += 1
@@ -94,7 +112,20 @@ class PackedStore:
             self._keep_outliers(x, out, t0, rows)
             valid = ~out if valid is None else ~out & valid.to(torch.bool)[..., None]
         self.backend.write(self, x, t0, valid, rows)
+        if self.residual is not None:
+            self._keep_residual(x, t0, valid, rows)
         self.length = max(self.length, t0 + n)
+
+    def _keep_residual(self, x: torch.Tensor, t0: int, valid: torch.Tensor | None, rows: slice) -> None:
+        """Store the residual corrections of x [b, H, n, D] at positions [t0, t0 + n): the error of the codes just
+        written (the reference's arithmetic, which every backend's quantizer reproduces bit for bit), 0 outside
+        `valid` ([b, 1, n] positions or [b, H, n, D] elements)."""
+        xf = x.float()
+        r = xf - fake_quant(xf, self.spec, valid=valid, partial="exclude")
+        if valid is not None:
+            v = valid.to(torch.bool)
+            r = torch.where(v if v.dim() == 4 else v[..., None], r, 0.0)
+        self.res[rows, :, t0 : t0 + x.shape[2]] = self.residual.encode(r)[0]
 
     def _keep_outliers(self, x: torch.Tensor, mask: torch.Tensor, t0: int, rows: slice) -> None:
         """Append the elements of x [b, H, n, D] under mask (same shape) to the sparse store, exactly (x's dtype)."""
@@ -148,6 +179,8 @@ class PackedStore:
         if n == 0:
             return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
         deq = self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
+        if self.res is not None:
+            deq = deq + self.residual.decode(self.res[:, :, :n], self.dims[2])
         if self.out_idx is not None and self.out_idx.numel():
             B, H, D = self.dims
             t_max = (2**31 - 1) // (B * H * D)
@@ -160,10 +193,11 @@ class PackedStore:
 
     def nbytes(self) -> int:
         """Codes and parameters as stored, plus the format's own table where it has one per tensor (lut's
-        codebook: `format.table_bytes`; int and fp8 tables are fixed by the format's name and width)."""
+        codebook: `format.table_bytes`; int and fp8 tables are fixed by the format's name and width), sparse
+        outliers and residual corrections."""
         table = self.format.table_bytes if self.codes is not None else 0
         sparse = tensor_bytes(self.out_val) + tensor_bytes(self.out_idx)  # value (model dtype) + int32 index
-        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero)) + table + sparse
+        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero, self.res)) + table + sparse
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:

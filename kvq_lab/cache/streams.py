@@ -52,14 +52,17 @@ class Stream(Protocol):
     def nbytes(self) -> int: ...
 
 
-def make_stream(spec: QuantSpec, residual_length: int, sink_tokens: int, backend, outliers=None) -> Stream:
+def make_stream(
+    spec: QuantSpec, residual_length: int, sink_tokens: int, backend, outliers=None, residual=None
+) -> Stream:
     """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill.
-    outliers: dense-and-sparse elements kept exact in the store (`PackedStore`), or None."""
+    outliers: dense-and-sparse elements kept exact in the store (`PackedStore`), or None; residual: corrections of
+    the error stored beside the codes (`kvq_lab.quant.residuals.Chain`), or None."""
     if spec.is_identity:
         return ExactStream()
     cls = SlidingStream if spec.axis == "token" else FillStream
     stream = cls(spec, residual_length, sink_tokens, backend)
-    stream.store.outliers = outliers
+    stream.store.outliers, stream.store.residual = outliers, residual
     return stream
 
 
@@ -140,8 +143,9 @@ class _QuantizedStream(ABC):
     def view(self, N: int, sink: torch.Tensor, pads: list[int], rotate: Rotate) -> StreamView:
         q, w, _, rows = self.moving(N, pads)
         st = self.store
-        # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers): dequantized here
-        deq = self.history(q, pads, rotate) if (rotate is not None or st.outliers is not None) and q else None
+        # a history the kernels cannot read from codes alone (transforms to undo, sparse outliers, residual
+        # corrections): dequantized here
+        deq = self.history(q, pads, rotate) if (rotate is not None or st.reads_dequantized) and q else None
         starts = counts = None
         if rows is not None:  # per-row layouts: the kernel reads each row's own (codes are never dequantized here)
             if deq is not None:

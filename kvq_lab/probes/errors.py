@@ -55,8 +55,11 @@ def quantize_kv(
             raise ValueError("rope=pre (key_transform=rope_pre) needs the model's rotary embedding (RopeHelper)")
         pos = rope.positions(key[None], torch.arange(key.shape[-2], device=key.device)[None])
     s = cache.sink_tokens
-    kq = simulate(key[None].float(), cache.key, kp, pos, s, cache.outliers("key"))[0]
-    return kq, simulate(value[None].float(), cache.value, vp, pos, s, cache.outliers("value"))[0]
+    kq, vq = (
+        simulate(x[None].float(), getattr(cache, t), pipe, pos, s, cache.outliers(t), cache.residual(t))[0]
+        for x, t, pipe in ((key, "key", kp), (value, "value", vp))
+    )
+    return kq, vq
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, scaling: float, groups: int) -> torch.Tensor:

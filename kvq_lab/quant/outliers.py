@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq_lab.quant.reference import fake_quant as _fake_quant
+from kvq_lab.quant.residuals import Chain
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
 VALUE_BYTES, INDEX_BYTES = 2, 4  # fp16 value, int32 position in the tensor
@@ -83,13 +84,25 @@ class Outliers:
         return torch.zeros_like(a, dtype=torch.bool).scatter_(-1, idx, True)
 
 
-def fake_quant(x: torch.Tensor, spec: QuantSpec, outliers: Outliers | None, partial: str = "zero") -> torch.Tensor:
-    """dequantize(quantize(x)) with the outliers kept exact and out of every group's statistics; x [B, H, T, D] ->
-    [B, H, T, D] in x's dtype. outliers None: the reference's `fake_quant`."""
-    if outliers is None or spec.is_identity:
-        return _fake_quant(x, spec, partial=partial)
-    m = outliers.mask(x)
-    return torch.where(m, x, _fake_quant(x, spec, valid=~m, partial=partial))
+def fake_quant(
+    x: torch.Tensor, spec: QuantSpec, outliers: Outliers | None, partial: str = "zero", residual: Chain | None = None
+) -> torch.Tensor:
+    """dequantize(quantize(x)) with the outliers kept exact and out of every group's statistics, plus the residual
+    corrections' rebuild of the error (`kvq_lab.quant.residuals`; computed in fp32 on the fp32 dequantized values,
+    as the packed store does); x [B, H, T, D] -> [B, H, T, D] in x's dtype. outliers and residual None: the
+    reference's `fake_quant`."""
+    if spec.is_identity:
+        return x
+    m = None if outliers is None else outliers.mask(x)
+    if residual is None:
+        if m is None:
+            return _fake_quant(x, spec, partial=partial)
+        return torch.where(m, x, _fake_quant(x, spec, valid=~m, partial=partial))
+    xf = x.float()
+    deq = _fake_quant(xf, spec, valid=None if m is None else ~m, partial=partial)
+    r = xf - deq if m is None else torch.where(m, 0.0, xf - deq)
+    out = deq + residual.correction(r)
+    return (out if m is None else torch.where(m, xf, out)).to(x.dtype)
 
 
 def fit_thresholds(x: torch.Tensor, fraction: float) -> tuple[float, ...]:

@@ -1,0 +1,197 @@
+"""Residual corrections: what a method stores, besides the codes, about the error the code format left behind.
+
+After the format (and the sparse outliers, `kvq_lab.quant.outliers`) a token's vector x [D] (as the quantizer sees it,
+transforms applied) is x' = deq(x), with error r = x - x'. A residual correction stores a compact description of r
+and adds its rebuild r^ to the dequantized vector, so any attention kernel that reads x' + r^ computes what the method
+computes (QJL's unbiased inner-product estimator included, since it is linear in r^):
+
+    x'' = x' + r^,     r^ = decode(encode(r))          per token vector, in fp32; the outliers stay exact
+
+Corrections compose (`key_residual=[sparse:0.01,qjl:64]`): each one encodes what the ones before it left,
+r_1 = r, r_{i+1} = r_i - r^_i, and x'' = x' + sum_i r^_i.
+
+Every correction here is per token vector, so it depends on the token alone and every mode (simulated, packed, the
+probes) computes the same bits: the packed cache stores `token_bytes(D)` bytes per token and kv head (`encode`'s raw
+bytes, exactly what the method stores: sign bits, an fp16 norm, fp16 values and channel indices), and the byte
+accounting counts them.
+
+Spelling (the run config's `key_residual` / `value_residual`, `residual` for both): `name:arg`, a list composes in
+order; `none` (default) stores nothing. This registry imports neither torch nor its plugins (config validation reads
+it); `residuals/builtin.py` imports the plugins.
+
+Registered corrections:
+    qjl:<m>        QJL (Zandieh et al., arXiv 2406.03482): m sign bits of a Gaussian sketch S r plus |r|; the rebuild
+                   sqrt(pi/2) / m * |r| * S^T sign(S r) makes every inner product with it unbiased. TurboQuant's
+                   "_prod" stage is `qjl` on the residual of its MSE stage.
+    sparse:<frac>  the round(frac * D) largest |r| of each vector kept as fp16 values with their channel indices
+                   (GEAR's sparse term, on the residual; `*_outliers` is the other reading, outliers kept out of the
+                   groups before quantization)
+
+Adding a correction: one file `kvq_lab/quant/residuals/<name>.py` with a frozen dataclass registered by
+`@register_residual("<name>")` implementing `parse`, `token_bytes`, `encode`, `decode` (and `check_head_dim` where a
+head dim can be wrong for it), and one import line in `residuals/builtin.py`; `tests/quant/test_residuals.py` iterates
+`RESIDUALS` (`example()` gives an instance to test).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, ClassVar
+
+from kvq_lab.quant.spec import QuantConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+NONE = "none"
+RESIDUALS: dict[str, type[Residual]] = {}
+
+
+class Residual(ABC):
+    """One correction of the quantization error of token vectors [..., D] (see the module docstring).
+
+    Subclasses are frozen dataclasses whose fields are their options; `parse` reads the spelling's argument."""
+
+    name: ClassVar[str] = ""  # set by `register_residual`
+    arg_name: ClassVar[str] = "arg"  # what the spelling's argument is, in error messages (`qjl:<m>`)
+    example_arg: ClassVar[str] = ""  # an argument `example()` parses, for the registry-driven tests
+
+    @classmethod
+    def example(cls) -> Residual:
+        return cls.parse(cls.example_arg)
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, arg: str | None) -> Residual:
+        """The correction from its spelling's argument (`qjl:64` -> "64"; None without one), one-line errors."""
+
+    @property
+    @abstractmethod
+    def spelling(self) -> str:
+        """How the run config writes it (`get_residual(r.spelling) == r`)."""
+
+    @property
+    def label(self) -> str:
+        """Short name in cache labels (`_Kqjl64`)."""
+        return self.spelling.replace(":", "").replace(".", "p")
+
+    def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (most act on any head dim)
+        """Raise a one-line QuantConfigError if the correction cannot act on vectors of `head_dim` channels."""
+
+    @abstractmethod
+    def token_bytes(self, head_dim: int) -> int:
+        """Bytes stored per token vector of `head_dim` channels (one kv head)."""
+
+    @abstractmethod
+    def encode(self, r: torch.Tensor) -> torch.Tensor:
+        """r fp32 [..., D] -> uint8 [..., token_bytes(D)]: exactly what the method stores."""
+
+    @abstractmethod
+    def decode(self, stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """uint8 [..., token_bytes(D)] -> fp32 [..., D], the rebuild r^ added to the dequantized vector."""
+
+
+def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., n * size] bytes read as `dtype` [..., n] (a copy: a slice of stored bytes may start anywhere)."""
+    import torch
+
+    return raw.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+def register_residual(name: str):
+    """Class decorator: make `name` (the spelling's name) resolve to the decorated `Residual`."""
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == NONE:
+        raise ValueError(f"residual name {name!r} must be lower-case letters, digits and '_' (and not {NONE!r})")
+
+    def decorate(cls: type[Residual]) -> type[Residual]:
+        old = RESIDUALS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"residual name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        RESIDUALS[name] = cls
+        return cls
+
+    return decorate
+
+
+@cache
+def get_residual(spelling: str) -> Residual:
+    """The correction a spelling names (`qjl:64`), one-line errors that start with the spelling."""
+    name, _, arg = spelling.partition(":")
+    if name not in RESIDUALS:
+        if not RESIDUALS:
+            raise QuantConfigError(f"{spelling!r}: no residual is registered; import kvq_lab.quant.residuals.builtin")
+        allowed = ", ".join([NONE, *(f"{n}:<{RESIDUALS[n].arg_name}>" for n in sorted(RESIDUALS))])
+        raise QuantConfigError(f"{spelling!r} is not a registered residual correction; allowed: {allowed}")
+    return RESIDUALS[name].parse(arg if ":" in spelling else None)
+
+
+def check_residuals(spellings, knob: str) -> tuple[str, ...]:
+    """Validated, canonical spellings of one tensor's corrections, from a name, `none`, or a list; one-line
+    QuantConfigErrors that name the knob (`key_residual`)."""
+    items = [] if spellings is None else list(spellings) if isinstance(spellings, (list, tuple)) else [spellings]
+    if items == [NONE]:
+        return ()
+    out = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str) or s == NONE:
+            shown = f"{knob}={s!r}" if len(items) == 1 else f"{knob}[{i}]={s!r}"
+            raise QuantConfigError(f"{shown}: give corrections (e.g. qjl:64, sparse:0.01), a list of them, or none")
+        try:
+            out.append(get_residual(s).spelling)
+        except QuantConfigError as e:
+            raise QuantConfigError(f"{knob}={e}") from None
+    if len(set(out)) != len(out):
+        raise QuantConfigError(f"{knob} lists {out[0]} twice; give each correction once")
+    return tuple(out)
+
+
+def check_head_dim(spellings: tuple[str, ...], head_dim: int, knob: str) -> None:
+    """Each correction can act on vectors of `head_dim` channels (one-line QuantConfigError naming the knob)."""
+    for s in spellings:
+        try:
+            get_residual(s).check_head_dim(head_dim)
+        except QuantConfigError as e:
+            raise QuantConfigError(f"{knob}={s}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Corrections applied in order, each to what the ones before left (module docstring). Vectors [..., D]."""
+
+    residuals: tuple[Residual, ...]
+
+    def token_bytes(self, head_dim: int) -> int:
+        return sum(r.token_bytes(head_dim) for r in self.residuals)
+
+    def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """r fp32 [..., D] -> (stored uint8 [..., token_bytes(D)], the correction r^ fp32 [..., D] it decodes to)."""
+        import torch
+
+        D, parts, total = r.shape[-1], [], torch.zeros_like(r)
+        for c in self.residuals:
+            b = c.encode(r - total)
+            parts.append(b)
+            total = total + c.decode(b, D)
+        return torch.cat(parts, -1), total
+
+    def decode(self, stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """stored uint8 [..., token_bytes(D)] -> the correction fp32 [..., D] (the same sum `encode` returned)."""
+        out, at = None, 0
+        for c in self.residuals:
+            n = c.token_bytes(head_dim)
+            part = c.decode(stored[..., at : at + n], head_dim)
+            out, at = part if out is None else out + part, at + n
+        return out
+
+    def correction(self, r: torch.Tensor) -> torch.Tensor:
+        """r fp32 [..., D] -> r^ fp32 [..., D]: what the stored bytes rebuild (`encode`'s second result)."""
+        return self.encode(r)[1]
+
+
+def build_chain(spellings: tuple[str, ...]) -> Chain | None:
+    """The chain of validated spellings (`check_residuals`), or None when there is none."""
+    return Chain(tuple(map(get_residual, spellings))) if spellings else None
