@@ -11,6 +11,13 @@ import torch
 PARAM_DTYPE = torch.float16  # every per-group parameter (kvq_lab.quant.formats.PARAM_BYTES)
 
 
+def div(x: torch.Tensor, n: float) -> torch.Tensor:
+    """x / n (n a Python number) by IEEE division on every device. PyTorch's CUDA kernels divide a tensor by a Python
+    scalar as a multiplication by its reciprocal, which can differ from the CPU's quotient in the last bit (seen on an
+    H200: int's 3- and 4-bit scales, where the Triton kernel's `tl.div_rn` kept the CPU's); a tensor divisor divides."""
+    return x / torch.full_like(x, n)
+
+
 def fp16_round_down(x: torch.Tensor) -> torch.Tensor:
     """Largest fp16 value <= x (x fp32). Values beyond fp16's range become -inf/+inf."""
     y = x.to(PARAM_DTYPE)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
-from kvq_lab.quant.rounding import fp16_round_down, fp16_round_up
+from kvq_lab.quant.rounding import div, fp16_round_down, fp16_round_up
 from kvq_lab.quant.spec import DEFAULT_BITS
 
 
@@ -67,7 +67,7 @@ class IntFormat(CodeFormat):
             mn = torch.where(empty, 0.0, mn)
             mx = torch.where(empty, 0.0, mx)
         zero = fp16_round_down(mn)
-        scale = fp16_round_up((mx - zero.float()) / self.levels)
+        scale = fp16_round_up(div(mx - zero.float(), self.levels))
         s = scale.float().unsqueeze(-1)
         safe = torch.where(s > 0, s, torch.ones_like(s))
         codes = torch.round((g - zero.float().unsqueeze(-1)) / safe).clamp_(0, self.levels)

@@ -28,6 +28,7 @@ import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
 from kvq_lab.quant.formats.ggml import inverse, masked, signed_absmax, to_fp16, zero_invalid
+from kvq_lab.quant.rounding import div
 
 VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 TRIES = 7
@@ -62,7 +63,7 @@ def search_scale(x: torch.Tensor) -> torch.Tensor:
     m = signed_absmax(x)
     ok = m.abs() >= GROUP_MAX_EPS
     m_safe = torch.where(ok, m, torch.ones_like(m))
-    d0 = -m_safe / VALUES[0]
+    d0 = div(-m_safe, VALUES[0])
     sqx, sq2, d = _fit(x, w, nearest(x * (1 / d0).unsqueeze(-1)))
     best = d * sqx
     for t in range(-TRIES, TRIES + 1):

@@ -19,6 +19,7 @@ import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
 from kvq_lab.quant.formats.ggml import inverse, masked, to_fp16, zero_invalid
+from kvq_lab.quant.rounding import div
 
 
 @register_format("q4_1")
@@ -40,7 +41,7 @@ class Q4_1Format(CodeFormat):
         mx = masked(x, valid, -float("inf")).amax(-1)
         empty = ~torch.isfinite(mn)  # no valid element: any parameters will do
         mn, mx = torch.where(empty, 0.0, mn), torch.where(empty, 0.0, mx)
-        return mn, (mx - mn) / 15
+        return mn, div(mx - mn, 15)
 
     def quantize_groups(self, g, valid=None):
         x = g.float()

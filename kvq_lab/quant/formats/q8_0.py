@@ -18,6 +18,7 @@ import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
 from kvq_lab.quant.formats.ggml import inverse, masked, round_half_away, to_fp16, zero_invalid
+from kvq_lab.quant.rounding import div
 
 
 @register_format("q8_0")
@@ -33,7 +34,7 @@ class Q8_0Format(CodeFormat):
         return torch.arange(256, dtype=torch.float32) - 128  # code c holds q = c - 128
 
     def _d(self, g: torch.Tensor, valid=None) -> torch.Tensor:
-        return masked(g.float(), valid, 0.0).abs().amax(-1) / 127
+        return div(masked(g.float(), valid, 0.0).abs().amax(-1), 127)
 
     def quantize_groups(self, g, valid=None):
         x = g.float()

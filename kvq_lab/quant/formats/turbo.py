@@ -31,6 +31,7 @@ import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
 from kvq_lab.quant.formats.ggml import inverse, masked, to_fp16, zero_invalid
+from kvq_lab.quant.rounding import div
 
 ITERATIONS = 500
 
@@ -79,7 +80,8 @@ class TurboFormat(CodeFormat):
     def _scale(self, x: torch.Tensor, valid=None) -> torch.Tensor:
         x = masked(x, valid, 0.0)
         n = x.shape[-1] if valid is None else torch.broadcast_to(valid, x.shape).sum(-1).clamp(min=1)
-        return x.square().sum(-1).sqrt() / (n**0.5 if valid is None else n.float().sqrt())
+        norm = x.square().sum(-1).sqrt()
+        return div(norm, n**0.5) if valid is None else norm / n.float().sqrt()
 
     def _nearest(self, y: torch.Tensor) -> torch.Tensor:
         return torch.searchsorted(self.midpoints(y.device), y.contiguous())  # on a midpoint: the lower level
