@@ -7,7 +7,7 @@ from kvq_lab.quant.pack import BLOCK, PackedQTensor, pack, packed_rows, qtensor_
 from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec
 
-BITS = (1, 2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 5, 8)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -37,16 +37,26 @@ def test_layout_by_hand():
     p = pack(codes, 3)
     word = sum(k << (3 * k) for k in range(8))
     assert [p[0, 0, 1 + 4 * i, 0].item() for i in range(3)] == [(word >> (8 * i)) & 0xFF for i in range(3)]
+    # 5 bits: 8 codes in a 40-bit little-endian word, 5 byte planes of 4 rows each; the top code (31, token 30)
+    # sits at bits 35-39, beyond an int32
+    codes = torch.zeros(1, 1, BLOCK, 1, dtype=torch.uint8)
+    codes[0, 0, [2 + 4 * k for k in range(8)], 0] = torch.tensor([1, 2, 3, 5, 8, 13, 21, 31], dtype=torch.uint8)
+    p = pack(codes, 5)
+    assert p.shape == (1, 1, 20, 1)
+    word = sum(c << (5 * k) for k, c in enumerate([1, 2, 3, 5, 8, 13, 21, 31]))
+    assert [p[0, 0, 2 + 4 * i, 0].item() for i in range(5)] == [(word >> (8 * i)) & 0xFF for i in range(5)]
+    assert torch.equal(unpack(p, 5), codes)
 
 
 def test_word_layout():
-    assert [word_layout(b) for b in BITS] == [(8, 1), (4, 1), (8, 3), (2, 1), (1, 1)]
-    with pytest.raises(ValueError):
-        word_layout(5)
+    assert [word_layout(b) for b in BITS] == [(8, 1), (4, 1), (8, 3), (2, 1), (8, 5), (1, 1)]
+    for bits in (6, 7, 16):
+        with pytest.raises(ValueError, match=f"cannot pack bits={bits}; allowed: 1, 2, 3, 4, 5, 8"):
+            word_layout(bits)
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", (1, 2, 3, 4, 8))
 def test_packed_qtensor_round_trip(bits, axis):
     x = torch.randn(1, 2, 77, 64, generator=torch.Generator().manual_seed(0))  # 77: not a multiple of G or BLOCK
     q = quantize(x, QuantSpec(bits, 32, axis))
