@@ -3,11 +3,17 @@
 import pytest
 import torch
 
+from kvq_lab.quant.formats import builtin, tensor_nbytes  # noqa: F401  (registers the formats)
 from kvq_lab.quant.pack import BLOCK, PackedQTensor, pack, packed_rows, qtensor_nbytes, unpack, word_layout
-from kvq_lab.quant.reference import dequantize, quantize
-from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.quant.reference import code_format, dequantize, quantize
+from kvq_lab.quant.spec import INT_BITS, QuantSpec
 
 BITS = (1, 2, 3, 4, 5, 8)
+
+
+def spec_at(bits: int, axis: str) -> QuantSpec:
+    """A spec whose format takes `bits`: int, or q5_1 at 5 bits (int has no 5-bit width)."""
+    return QuantSpec(bits, 32, axis, "int" if bits in INT_BITS else "q5_1")
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -56,10 +62,10 @@ def test_word_layout():
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
-@pytest.mark.parametrize("bits", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("bits", BITS)
 def test_packed_qtensor_round_trip(bits, axis):
     x = torch.randn(1, 2, 77, 64, generator=torch.Generator().manual_seed(0))  # 77: not a multiple of G or BLOCK
-    q = quantize(x, QuantSpec(bits, 32, axis))
+    q = quantize(x, spec_at(bits, axis))
     p = PackedQTensor.from_qtensor(q)
     back = p.to_qtensor()
     assert torch.equal(back.codes, q.codes)
@@ -79,3 +85,16 @@ def test_three_bits_per_element_at_2bit_g32():
     assert packed_rows(BLOCK, 3) * D == BLOCK * D * 3 // 8
     # partial blocks are allocated whole
     assert packed_rows(BLOCK + 1, 2) == 2 * BLOCK * 2 // 8
+
+
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("name, bpe", [("q5_0", 5.5), ("q5_1", 6.0)])
+def test_five_bit_codes_take_five_bits(name, bpe, axis):
+    """5-bit codes cost 5 bits each (8 to a 40-bit word) plus the fp16 parameters: 5 + 16/32 bits per element for
+    q5_0 (scale), 5 + 32/32 for q5_1 (scale and minimum), as `nbytes()` and both byte formulas count them."""
+    T, D = 4 * BLOCK, 64
+    spec = QuantSpec(5, 32, axis, name)
+    p = PackedQTensor.from_qtensor(quantize(torch.randn(1, 1, T, D), spec))
+    assert p.packed.shape[-2] == T * 5 // 8 == packed_rows(T, 5)
+    assert p.nbytes() == qtensor_nbytes(T, D, spec) == tensor_nbytes(code_format(spec), 32, axis, T, D)
+    assert p.nbytes() * 8 == T * D * bpe
