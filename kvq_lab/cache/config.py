@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
 from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
-from kvq_lab.quant.spec import QuantConfigError, QuantSpec
+from kvq_lab.quant.spec import INT_BITS, QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
 from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
@@ -18,9 +18,10 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "format") -> None:
     """One-line QuantConfigError unless the spec's code format exists, takes its bits (fp8: 8) and its options
-    (lut: a codebook). `int` without options is checked by `QuantSpec` itself (its widths are `BITS`), so the
-    default config stays free of torch; other formats import the registry and its plugins (torch) here."""
-    if spec.is_identity or (spec.format == "int" and spec.codebook is None):
+    (lut: a codebook). `int` without options at one of its widths (`INT_BITS`) needs no registry, so the default
+    config stays free of torch; other formats (and int at a width it does not take) import the registry and its
+    plugins (torch) here."""
+    if spec.is_identity or (spec.format == "int" and spec.codebook is None and spec.bits in INT_BITS):
         return
     from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import get_format

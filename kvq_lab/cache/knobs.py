@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvq_lab.common.errors import ConfigError, QuantConfigError
-from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, QuantSpec
+from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, IDENTITY_BITS, INT_BITS, QuantSpec
 from kvq_lab.quant.transforms import check_transforms
 
 from .config import BACKENDS, MODES, ROPE, CacheConfig
@@ -39,8 +39,8 @@ class CacheKnobs:
     value_axis: Any = knob("token", row="key_axis")
     bits: Any = knob(
         None,
-        "1, 2, 3, 4, 8; 16 = no quantization. `bits` sets both; `null`: the format's width "
-        "(int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, iq4_nl 4, turbo 3)",
+        "1, 2, 3, 4, 5, 8 (5: `q5_0`, `q5_1` only); 16 = no quantization. `bits` sets both; `null`: the format's "
+        "width (int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, q5_0 5, q5_1 5, iq4_nl 4, turbo 3)",
     )
     key_bits: Any = knob(None, row="bits")
     value_bits: Any = knob(None, row="bits")
@@ -50,8 +50,8 @@ class CacheKnobs:
         "times an fp16 absmax scale per group, no zero point: 8.5 bits per element at G=32; a width other than 8 is an "
         "error), `lut` (2^b sorted code values under a per-group scale and zero, NormalFloat by default), `nuq` "
         "(KVQuant's non-uniform codes: 1-4 bits, a codebook per layer fitted on calibration text, run as `lut`), "
-        "llama.cpp's cache types `q8_0`, `q4_0`, `q4_1`, `iq4_nl` (ggml's block arithmetic bit for bit: "
-        "`group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`), `turbo` "
+        "llama.cpp's cache types `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `iq4_nl` (ggml's block arithmetic bit for "
+        "bit: `group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`), `turbo` "
         "(TurboQuant's MSE stage, 1-4 bits: one norm per group, Lloyd-Max levels per coordinate; with `rhadamard` "
         "and `group_size` = the head dim: `quant=turboquant_mse_<b>b`). "
         "`format` sets both",
@@ -150,12 +150,14 @@ def _code(k: Mapping, tensor: str) -> tuple[str, int]:
     both, own = k.get("format"), k.get(f"{tensor}_format")
     if both is not None and own is not None and both != own:
         raise ConfigError(f"format={both} and {tensor}_format={own} disagree; set one of them")
-    fname = "format" if both is not None else f"{tensor}_format"
-    fmt = both if both is not None else own if own is not None else DEFAULT_FORMAT
     bname = "bits" if k.get("bits") is not None else f"{tensor}_bits"
+    # the knob an error names: the one set, or (int by default) `format` when `bits` sets both tensors' widths
+    fname = "format" if both is not None or (own is None and bname == "bits") else f"{tensor}_format"
+    fmt = both if both is not None else own if own is not None else DEFAULT_FORMAT
     bits = _bits(k, bname)
-    if fmt == DEFAULT_FORMAT:  # int: every width in BITS, no registry (validation stays torch-free)
-        return fmt, DEFAULT_BITS if bits is None else bits
+    if fmt == DEFAULT_FORMAT and (bits is None or bits in INT_BITS or bits == IDENTITY_BITS):
+        return fmt, DEFAULT_BITS if bits is None else bits  # int at its widths: no registry (stays torch-free)
+    # another format, or int at a width it does not take (5): the registry checks it and names the formats that do
     from kvq_lab.quant.formats import FORMATS, check_bits, default_bits, get_format
     from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvq_lab.quant.outliers import Outliers
-from kvq_lab.quant.pack import BLOCK, word_layout
+from kvq_lab.quant.pack import BLOCK, word_dtype, word_layout
 from kvq_lab.quant.reference import code_format, fake_quant
 from kvq_lab.quant.residuals import Chain
 from kvq_lab.quant.spec import QuantSpec
@@ -156,12 +156,13 @@ class PackedStore:
     def _or_codes(self, codes: torch.Tensor, t0: int, rows: slice) -> None:
         """Or codes [b, H, n, D] of positions t0.. into the packed storage (see the layout in `pack`)."""
         bits, m, nb = self.bits, self._m, self._nb
+        wt = word_dtype(bits)  # int64 for 5-bit codes: the top code of a 40-bit word starts at bit 35
         n = codes.shape[2]
         dst = self.codes[rows]  # a view: rows is a slice
         if n == 1:  # a decode step: one token, its bits of one word (nb bytes)
             t = t0 % BLOCK
             row = t0 // BLOCK * nb * m + t % m
-            w = codes.to(torch.int32) << (bits * (t // m))
+            w = codes.to(wt) << (bits * (t // m))
             for i in range(nb):
                 dst[:, :, row + i * m : row + i * m + 1] += ((w >> (8 * i)) & 0xFF).to(torch.uint8)
             return
@@ -169,7 +170,7 @@ class PackedStore:
         k, r = (t % BLOCK) // m, (t % BLOCK) % m  # plane and row of each token within its block
         base = t // BLOCK * (nb * m) + r
         # each token owns bits [bits*k, bits*k + bits) of its word, zero until now: adding is an or
-        w = codes.to(torch.int32) << (k * bits).to(torch.int32).view(1, 1, n, 1)
+        w = codes.to(wt) << (k * bits).to(wt).view(1, 1, n, 1)
         for i in range(nb):
             dst.index_add_(2, base + i * m, ((w >> (8 * i)) & 0xFF).to(torch.uint8))
 

@@ -31,7 +31,8 @@ the scalar lookup. Every path gives exactly table[code] and the same two roundin
 
 Storage layout: see kvq_lab/quant/pack.py. Codes are packed along tokens in blocks of 32; a block is u planes
 of m = 32/u tokens, and word (r, d) of a block holds the codes of tokens r, r + m, ... in `bits`-bit fields,
-least significant first, as nb little-endian bytes in nb byte planes of m rows:
+least significant first, as nb little-endian bytes in nb byte planes of m rows (nb = 1 at 1, 2, 4 and 8 bits; 3 at
+3 bits, 5 at 5 bits: 8 codes in 40 bits):
     byte j of word (blk, r, d) = codes[blk * nb * m + j * m + r][d]
 Parameters are fp16: per-token groups [T, D/G], per-channel groups [T/G, D].
 
@@ -129,7 +130,9 @@ static inline float half_to_float(uint16_t h) {
 #endif
 
 /* out[d] = code(d) * s[d] + z[d] for d < n, codes `shift` bits up in the words of `row` (nb bytes each, byte j
-   `plane` bytes below byte 0); s and z either per channel (ds = 1) or one value for all n channels (ds = 0). */
+   `plane` bytes below byte 0; a word of several bytes is assembled in a uint64_t: 24 bits for 3-bit codes, 40 for
+   5-bit ones, whose top code starts at bit 35); s and z either per channel (ds = 1) or one value for all n channels
+   (ds = 0). */
 static inline void deq_run(float *restrict out, const uint8_t *restrict row, int64_t plane, int64_t nb,
                            unsigned shift, unsigned mask, const float *restrict s, const float *restrict z,
                            int64_t ds, int64_t n) {
@@ -140,8 +143,8 @@ static inline void deq_run(float *restrict out, const uint8_t *restrict row, int
         for (int64_t d = 0; d < n; d++) out[d] = (float)((row[d] >> shift) & mask) * s0 + z0;
     } else
         for (int64_t d = 0; d < n; d++) {
-            uint32_t word = 0;
-            for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
+            uint64_t word = 0;
+            for (int64_t j = 0; j < nb; j++) word |= (uint64_t)row[j * plane + d] << (8 * j);
             out[d] = (float)((word >> shift) & mask) * s[ds * d] + z[ds * d];
         }
 }
@@ -275,8 +278,8 @@ static inline void deq_run_table(float *restrict out, const uint8_t *restrict ro
             for (; d < n; d++) out[d] = table[(row[d] >> shift) & mask] * s0;
     } else
         for (; d < n; d++) {
-            uint32_t word = 0;
-            for (int64_t j = 0; j < nb; j++) word |= (uint32_t)row[j * plane + d] << (8 * j);
+            uint64_t word = 0;
+            for (int64_t j = 0; j < nb; j++) word |= (uint64_t)row[j * plane + d] << (8 * j);
             const float v = table[(word >> shift) & mask] * s[ds * d];
             out[d] = z ? v + z[ds * d] : v;
         }

@@ -105,7 +105,7 @@ def _codes_into(sv: StreamView, name: str) -> torch.Tensor:
     bits, n = sv.bits, sv.n
     u, nb = word_layout(bits)
     nblk = -(-n // BLOCK)
-    if nb != 1:  # 3-bit words span 3 bytes: the general unpack (allocates)
+    if nb != 1:  # 3- and 5-bit words span 3 and 5 bytes: the general unpack (allocates)
         return unpack(sv.codes[:, :, : nblk * BLOCK * bits // 8], bits)
     B, H, _, D = sv.codes.shape
     m = BLOCK // u  # rows per plane

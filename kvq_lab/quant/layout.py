@@ -11,10 +11,14 @@ import math
 BLOCK = 32  # tokens per packing block: a multiple of every word's code count (8 at most)
 
 
+PACKABLE_BITS = (1, 2, 3, 4, 5, 8)  # code widths the layout packs without a wasted bit
+
+
 def word_layout(bits: int) -> tuple[int, int]:
-    """(u, nb): codes per word and bytes per word. 1 -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 8 -> (1, 1)."""
-    if bits not in (1, 2, 3, 4, 8):
-        raise ValueError(f"cannot pack bits={bits}; allowed: 1, 2, 3, 4, 8")
+    """(u, nb): codes per word and bytes per word. 1 -> (8, 1), 2 -> (4, 1), 3 -> (8, 3), 4 -> (2, 1), 5 -> (8, 5),
+    8 -> (1, 1). A word is the smallest whole number of bytes holding whole codes: 8 * nb = u * bits."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"cannot pack bits={bits}; allowed: {', '.join(map(str, PACKABLE_BITS))}")
     u = 8 // math.gcd(bits, 8)
     return u, bits * u // 8
 

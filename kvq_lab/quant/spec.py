@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from kvq_lab.common.errors import QuantConfigError  # noqa: F401  (raised here; re-exported for callers)
 
 AXES = ("token", "channel")
-BITS = (1, 2, 3, 4, 8, 16)
-# 16 means "no quantization": the identity quantizer, used as the exact oracle in tests.
+BITS = (1, 2, 3, 4, 5, 8, 16)
+# 16 means "no quantization": the identity quantizer, used as the exact oracle in tests. Each format takes some of
+# the others (5: llama.cpp's q5_0 and q5_1 only).
 IDENTITY_BITS = 16
 DEFAULT_FORMAT = "int"
 DEFAULT_BITS = 2  # int's width when none is given (`key_bits: null`); config validation reads it without torch
+INT_BITS = (1, 2, 3, 4, 8)  # int's widths (`IntFormat.supported_bits`), here so config validation needs no torch
 _FORMAT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -29,8 +31,8 @@ class QuantSpec:
     axis:
         `token`   -> one group = `group_size` consecutive channels of one token (KIVI's "per-token").
         `channel` -> one group = `group_size` consecutive tokens of one channel (KIVI's "per-channel").
-    bits: 1, 2, 3, 4, 8, or 16 (identity, nothing is quantized, whatever the format); the format may allow fewer
-        (fp8: 8 only).
+    bits: 1, 2, 3, 4, 5, 8, or 16 (identity, nothing is quantized, whatever the format); the format may allow fewer
+        (fp8: 8 only; int: `INT_BITS`; 5: q5_0 and q5_1).
     format: a registered code format (`kvq_lab.quant.formats.FORMATS`): `int` (asymmetric uniform, KIVI's),
         `fp8_e4m3`, `fp8_e5m2`, `lut`. Resolved, and its bits checked, by `kvq_lab.quant.reference.code_format`.
     codebook: the format's code values where it takes them (lut: 2^bits sorted numbers; None = its default),

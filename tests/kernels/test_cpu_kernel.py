@@ -102,6 +102,8 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     # 40 channels: 16 + 16 at a time, then 8 (AVX-512 builds), and per-token groups of 8: the 8-wide loop alone
     (QuantSpec(8, 32, "channel", "fp8_e5m2"), QuantSpec(8, 8, "token", "fp8_e4m3"), 40),
     (QuantSpec(2, 32, "channel", "lut"), QuantSpec(4, 8, "token", "lut"), 40),
+    # 5-bit codes: 40-bit words of 5 bytes, 32-entry tables (the scalar lookup in both builds)
+    (QuantSpec(5, 32, "channel", "q5_1"), QuantSpec(5, 32, "token", "q5_0"), 64),
 ])  # fmt: skip
 def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, value, D):
     """The vector paths for formats with a table (fp8 values computed from the code bits, small tables looked up by

@@ -76,6 +76,7 @@ for dtype, rope, pads, kf, vf, D, r, mask, chunk in [
     (torch.bfloat16, "pre", [0, 9], "int", "int", 128, 4, "bool", 32),
     (torch.float32, "post", [5, 0], "fp8_e4m3", "lut", 64, 1, "float", None),
     (torch.float16, "pre", [0], "nuq", "fp8_e5m2", 64, 3, None, None),
+    (torch.float32, "post", [0], "q5_0", "q5_1", 64, 2, None, None),  # 40-bit words: int64 in load_codes
 ]:
     view, N = view_of(dtype, rope, pads, kf, vf, D)
     B = len(pads)
@@ -92,6 +93,8 @@ for spec in (QuantSpec(2, 32, "channel"), QuantSpec(3, 32, "token")):
     tk.unpack_dequantize(torch.zeros(1, 2, 96, 64, dtype=torch.uint8), params.half(), params.half(), spec, 70)
 tk.unpack_dequantize(torch.zeros(1, 2, 96, 64, dtype=torch.uint8), torch.zeros(1, 2, 70, 2).half(), None,
                      QuantSpec(8, 32, "token", "fp8_e4m3"), 70)
+tk.unpack_dequantize(torch.zeros(1, 2, 60, 64, dtype=torch.uint8), torch.zeros(1, 2, 3, 64).half(),
+                     torch.zeros(1, 2, 3, 64).half(), QuantSpec(5, 32, "channel", "q5_1"), 70)
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8",
          torch.int32: "i32", torch.int64: "i64"}
@@ -118,7 +121,7 @@ print("compiled", len(launches), "launches of", sorted(kinds))
 
 def test_every_kernel_launch_compiles_for_sm90():
     """Every launch of the fast path's configurations (fp32 / fp16 / bf16, rope=pre, padded rows, bool and additive
-    masks, chunks merged, GQA 1-4, D 64 and 128, int / fp8 / lut / nuq codes; dequantize, quantize+pack) compiles
+    masks, chunks merged, GQA 1-4, D 64 and 128, int / fp8 / lut / nuq / q5 codes; dequantize, quantize+pack) compiles
     to sm_90 machine code."""
     import triton
 
@@ -130,4 +133,4 @@ def test_every_kernel_launch_compiles_for_sm90():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     kernels = "['_combine_kernel', '_decode_attn_kernel', '_dequant_kernel', '_quantize_pack_kernel']"
-    assert f"compiled 12 launches of {kernels}" in r.stdout, r.stdout
+    assert f"compiled 14 launches of {kernels}" in r.stdout, r.stdout

@@ -344,7 +344,11 @@ BAD = [
         r"format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts: drop key_bits, "
         r"or a format with 2 bits: format=int \| lut",
     ),
-    (lambda: get_format("int", 5), "format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: choose bits in"),
+    (
+        lambda: get_format("int", 5),
+        r"format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: choose bits in 1, 2, 3, 4, 8, "
+        r"or a format with 5 bits: format=q5_0 \| q5_1$",
+    ),
     (lambda: get_format("lut", 16), "bits=16 conflicts"),
     (lambda: get_format("int", True), "bits=True conflicts"),
     (lambda: get_format("int"), "format=int needs bits: one of 1, 2, 3, 4, 8"),
@@ -379,12 +383,14 @@ def test_bytes_follow_the_declared_layout(name, bits):
     assert bits_per_element(fmt, 32) == bits + 8 * fmt.param_bytes_per_group / 32
     for axis in ("token", "channel"):
         for T in (1, 32, 77):
-            spec = QuantSpec(bits, 32, axis)
             groups = T * 2 if axis == "token" else -(-T // 32) * 64
-            params = qtensor_nbytes(T, 64, spec) - tensor_nbytes(fmt, 32, axis, T, 64)
-            assert params == (4 - fmt.param_bytes_per_group) * groups  # codes as int's, params as declared
-            if name == "int":
-                assert tensor_nbytes(fmt, 32, axis, T, 64) == qtensor_nbytes(T, 64, spec)
+            codes = -(-T // 32) * 32 * bits // 8 * 64  # whole blocks of 32 tokens, `bits` bits per code, 64 channels
+            assert tensor_nbytes(fmt, 32, axis, T, 64) == codes + fmt.param_bytes_per_group * groups
+            if bits in IntFormat.supported_bits:  # codes as int's at the same width, params as declared
+                params = qtensor_nbytes(T, 64, QuantSpec(bits, 32, axis)) - tensor_nbytes(fmt, 32, axis, T, 64)
+                assert params == (4 - fmt.param_bytes_per_group) * groups
+            if not fmt.fitted:  # the storage layer's count for a spec of this format is the same
+                assert tensor_nbytes(fmt, 32, axis, T, 64) == qtensor_nbytes(T, 64, QuantSpec(bits, 32, axis, name))
 
 
 # -- turbo -------------------------------------------------------------------------------------------------------

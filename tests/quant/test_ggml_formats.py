@@ -1,7 +1,7 @@
-"""llama.cpp's block types (`q8_0`, `q4_0`, `q4_1`, `iq4_nl`) against ggml itself: the `gguf` package's numpy port of
-ggml's reference quantizers is the oracle. A group of 32 along a row (`group_size=32`, per-token) is one ggml block:
-our fp16 parameters and codes, laid out as ggml's block bytes, must equal `gguf.quants.quantize` byte for byte, and
-`gguf.quants.dequantize` of those bytes must equal our dequantization (iq4_nl: dequantize only, gguf has no
+"""llama.cpp's block types (`q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `iq4_nl`) against ggml itself: the `gguf` package's
+numpy port of ggml's reference quantizers is the oracle. A group of 32 along a row (`group_size=32`, per-token) is one
+ggml block: our fp16 parameters and codes, laid out as ggml's block bytes, must equal `gguf.quants.quantize` byte for
+byte, and `gguf.quants.dequantize` of those bytes must equal our dequantization (iq4_nl: dequantize only, gguf has no
 quantizer for it)."""
 
 import numpy as np
@@ -12,7 +12,8 @@ from gguf import quants
 
 from kvq_lab.quant.formats import builtin, get_format  # noqa: F401  (registers the formats)
 
-TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "iq4_nl": T.IQ4_NL}
+TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "iq4_nl": T.IQ4_NL}
+QUANTIZED_BY_GGUF = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # gguf's port has their quantizers
 
 
 def blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, zero) -> np.ndarray:
@@ -21,15 +22,18 @@ def blocks(name: str, codes: torch.Tensor, scale: torch.Tensor, zero) -> np.ndar
     c = codes.numpy().astype(np.uint8)
     if name == "q8_0":
         qs = (c.astype(np.int16) - 128).astype(np.int8).view(np.uint8)
-    else:  # 4-bit: element j in the low nibble of byte j, element j + 16 in its high nibble
-        qs = c[:, :16] | (c[:, 16:] << 4)
+    else:  # the low 4 bits: element j in the low nibble of byte j, element j + 16 in its high nibble
+        qs = (c[:, :16] & 0xF) | ((c[:, 16:] & 0xF) << 4)
+    if name.startswith("q5"):  # the fifth bit of element j is bit j of a little-endian uint32 `qh`, before `qs`
+        qs = np.concatenate([np.packbits(c >> 4, axis=1, bitorder="little"), qs], axis=1)
     parts = [d] + ([zero.numpy().astype(np.float16).view(np.uint8).reshape(-1, 2)] if zero is not None else [])
     return np.concatenate([*parts, qs], axis=1)
 
 
 def awkward(seed: int) -> torch.Tensor:
     """[n, 32] fp32 rows: gaussian, heavy tails, one outlier, ties of magnitude (+-m), constants, zeros, tiny values
-    whose fp16 scale is subnormal, values on ggml's rounding boundaries."""
+    whose fp16 scale is subnormal, values on ggml's rounding boundaries (4- and 5-bit steps), negatives only, an
+    outlier near fp16's largest value."""
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randn(40, 32, generator=g), torch.randn(8, 32, generator=g) ** 3 * 5]
     out = torch.randn(4, 32, generator=g)
@@ -40,10 +44,19 @@ def awkward(seed: int) -> torch.Tensor:
     tie[:, 10:] = tie[:, 10:].clamp(-2, 2)
     steps = torch.arange(32, dtype=torch.float32).repeat(4, 1) / 31 * 15 - 7.5  # k / 2 steps: rounding ties
     rows += [out, tie, torch.full((2, 32), 3.7), torch.zeros(2, 32), torch.randn(4, 32, generator=g) * 1e-6, steps]
+    # 5-bit boundaries: q5_0 with d = 1 (m = -16) and q5_1 with d = 1 (min 0, max 31) at half steps, where ggml's
+    # x / d + 16.5 and (x - min) / d + 0.5 land exactly on an integer
+    half = torch.arange(32, dtype=torch.float32) + 0.5
+    q5_0_steps = torch.cat([torch.tensor([-16.0]), half[:31] - 16])
+    q5_1_steps = torch.cat([torch.tensor([0.0, 31.0]), half[:30]])
+    negatives = -torch.randn(4, 32, generator=g).abs()
+    huge = torch.randn(2, 32, generator=g)
+    huge[:, 17] = torch.tensor([6e4, -6e4])  # near fp16's largest value: every other element in the middle codes
+    rows += [q5_0_steps[None], -q5_0_steps[None], q5_1_steps[None], negatives, huge]
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("name", QUANTIZED_BY_GGUF)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_codes_and_parameters_are_ggmls_bytes(name, seed):
     x = awkward(seed)

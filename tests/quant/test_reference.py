@@ -102,8 +102,10 @@ def test_identity_and_validation():
     assert fake_quant(x, QuantSpec(16, 32, "token")) is x
     with pytest.raises(QuantConfigError, match="axis='chanel'.*token, channel"):
         QuantSpec(2, 32, "chanel")
-    with pytest.raises(QuantConfigError, match="bits=5"):
-        QuantSpec(5, 32, "token")
+    with pytest.raises(QuantConfigError, match=r"bits=6 is not supported; allowed: 1, 2, 3, 4, 5, 8, 16"):
+        QuantSpec(6, 32, "token")
+    with pytest.raises(QuantConfigError, match=r"format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts"):
+        fake_quant(x, QuantSpec(5, 8, "token"))  # a width some format takes (q5_0), not int
     with pytest.raises(QuantConfigError, match="does not divide head_dim=8"):
         fake_quant(x, QuantSpec(2, 3, "token"))
 

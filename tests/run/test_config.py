@@ -19,8 +19,9 @@ def cfg_with(*overrides):
 BAD = [
     (["key_axis=chanel"], r"key_axis='chanel'.*token, channel"),
     (["value_axis=head"], r"value_axis='head'.*token, channel"),
-    (["bits=5"], r"bits=5 .*1, 2, 3, 4, 8, 16"),
-    (["bits=0"], r"bits=0 .*1, 2, 3, 4, 8, 16"),
+    (["bits=6"], r"bits=6 .*1, 2, 3, 4, 5, 8, 16"),
+    (["bits=5"], r"format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: .*format=q5_0 \| q5_1"),  # not int's
+    (["bits=0"], r"bits=0 .*1, 2, 3, 4, 5, 8, 16"),
     (["key_bits=7"], r"key_bits=7"),
     (["group_size=48"], r"group_size.*48.*does not divide head_dim=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
     (["group_size=0"], r"group_size=0 must be an integer >= 1"),

@@ -309,15 +309,15 @@ def test_an_index_on_a_full_disk_is_read_in_memory(tmp_path, monkeypatch, capsys
 
 def test_every_row_of_a_sweep_is_validated_before_the_first_runs(tiny_model_dir, data_dir, tmp_path):
     t0 = time.time()
-    out = run_py(["-m", *tiny_args(tiny_model_dir, tmp_path, data_dir), "bits=2,5", "group_size=32,48"])
+    out = run_py(["-m", *tiny_args(tiny_model_dir, tmp_path, data_dir), "bits=2,6", "group_size=32,48"])
     assert out.returncode == 2 and time.time() - t0 < 60
     lines = out.stderr.strip().splitlines()
     assert lines == [
         "error: row 2 of 4 (bits=2 group_size=48): group_size (values)=48 does not divide head_dim=64 (per-token "
         "groups run along channels); use one of [1, 2, 4, 8, 16, 32, 64]",
-        "error: row 3 of 4 (bits=5 group_size=32): bits=5 is not supported; choose one of: 1, 2, 3, 4, 8, 16 (16 = "
+        "error: row 3 of 4 (bits=6 group_size=32): bits=6 is not supported; choose one of: 1, 2, 3, 4, 5, 8, 16 (16 = "
         "no quantization)",
-        "error: row 4 of 4 (bits=5 group_size=48): bits=5 is not supported; choose one of: 1, 2, 3, 4, 8, 16 (16 = "
+        "error: row 4 of 4 (bits=6 group_size=48): bits=6 is not supported; choose one of: 1, 2, 3, 4, 5, 8, 16 (16 = "
         "no quantization)",
         "error: 3 of 4 rows are invalid; nothing was run",
     ]

@@ -22,7 +22,10 @@ BAD = [
     (["key_format=nf4"], r"^key_format='nf4' is not a registered code format"),
     (["format=int", "value_format=lut"], r"^format=int and value_format=lut disagree; set one of them$"),
     (["format=3"], r"^format=3 must be a format name"),
-    (["format=lut", "bits=5"], r"^bits=5 is not supported; choose one of: 1, 2, 3, 4, 8, 16"),
+    (["format=lut", "bits=6"], r"^bits=6 is not supported; choose one of: 1, 2, 3, 4, 5, 8, 16"),
+    (["format=lut", "bits=5"], r"^format=lut takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: .*format=q5_0 \| q5_1$"),
+    (["bits=5"], r"^format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: .*, or a format with 5 bits: format=q5_0"),
+    (["key_bits=5"], r"^key_format=int takes 1, 2, 3, 4, 8 bits; key_bits=5 conflicts: .*key_format=q5_0 \| q5_1$"),
     (["format=fp8_e4m3", "mode=packed", "residual_length=20"], r"residual_length=20 must be a multiple"),
 ]
 
@@ -45,6 +48,10 @@ def test_bits_default_to_the_formats_width():
     assert (c.key.format, c.key.bits, c.value.format, c.value.bits) == ("lut", 4, "fp8_e4m3", 8)
     c = cache_config(compose(["key_format=fp8_e4m3"]))  # the other tensor keeps int at its default width
     assert (c.key.bits, c.value.format, c.value.bits) == (8, "int", 2)
+    c = cache_config(compose(["format=q5_1", "bits=5"]))  # 5 bits: llama.cpp's q5 types take it, int does not
+    assert (c.key.format, c.key.bits, c.value.format, c.value.bits) == ("q5_1", 5, "q5_1", 5)
+    c = cache_config(compose(["key_format=q5_0"]))
+    assert (c.key.bits, c.value.format, c.value.bits) == (5, "int", 2)
 
 
 def test_labels_are_unchanged_for_int_and_name_other_formats():

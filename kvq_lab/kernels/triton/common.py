@@ -2,7 +2,8 @@
 
 Layout (see `kvq_lab/quant/pack.py`): a tensor's codes are stored along tokens in blocks of BLOCK = 32 tokens;
 a block is `U` planes of `M = BLOCK / U` tokens, and word (r, d) holds the codes of tokens r, r + M, ... of the
-block, `BITS` bits each, least significant first, as `NB` little-endian bytes stored in `NB` byte planes:
+block, `BITS` bits each, least significant first, as `NB` little-endian bytes stored in `NB` byte planes (NB = 1, or
+3 for 3-bit codes, 5 for 5-bit codes: a 40-bit word, read into an int64):
 
     packed[b, h, blk * NB * M + j * M + r, d] = byte j of word (blk, r, d)        j < NB, r < M
 
@@ -41,11 +42,17 @@ def load_codes(p_ptr, i, valid, spr, d, BITS: tl.constexpr, NB: tl.constexpr, M:
     w_in = i % BLK
     plane = w_in // M
     row = blk * (NB * M) + w_in % M
-    word = tl.load(p_ptr + row[:, None] * spr + d[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    word = tl.load(p_ptr + row[:, None] * spr + d[None, :], mask=valid[:, None], other=0)
+    # the word in an integer wide enough for it: int32 up to 3-byte words (3 bits), int64 for 5-byte words (5-bit
+    # codes: the top one starts at bit 35); NB is a constant, so only one branch is compiled
+    if NB > 3:
+        word = word.to(tl.int64)
+    else:
+        word = word.to(tl.int32)
     for j in tl.static_range(1, NB):
         byte = tl.load(p_ptr + (row + j * M)[:, None] * spr + d[None, :], mask=valid[:, None], other=0)
-        word = word | (byte.to(tl.int32) << (8 * j))
-    return (word >> (plane * BITS)[:, None]) & ((1 << BITS) - 1)
+        word = word | (byte.to(word.dtype) << (8 * j))
+    return ((word >> (plane * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @triton.jit

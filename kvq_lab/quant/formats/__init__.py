@@ -19,6 +19,7 @@ Registered formats (import `kvq_lab.quant.formats.builtin` to register them all)
     lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
     nuq               KVQuant's non-uniform codes: lut at 1-4 bits with a codebook fitted per layer (calibration)
     q8_0, q4_0, q4_1  llama.cpp's cache block types, ggml's arithmetic bit for bit (codes from the fp32 scale)
+    q5_0, q5_1        the same at 5 bits (ggml's block_q5_0 / block_q5_1), packed 8 codes to a 40-bit word
     iq4_nl            llama.cpp's non-linear 4-bit type: 16 fixed values, a searched fp16 scale per group
     turbo             TurboQuant's MSE stage: |x| / sqrt(n) per group, Lloyd-Max levels of N(0, 1), bits 1-4
 

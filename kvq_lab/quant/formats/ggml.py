@@ -1,9 +1,9 @@
-"""Arithmetic shared by llama.cpp's KV-cache block types (`q8_0`, `q4_0`, `q4_1`, `iq4_nl`; `turbo` reuses its masking,
-zero-safe inverse and fp16 storage): not a format itself.
+"""Arithmetic shared by llama.cpp's KV-cache block types (`q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `iq4_nl`; `turbo`
+reuses its masking, zero-safe inverse and fp16 storage): not a format itself.
 
 ggml quantizes each block of 32 values of a row (here: a group, `group_size=32 key_axis=token` for llama.cpp's own
-layout) from fp32, computing codes with the fp32 scale and storing the scale (and q4_1's minimum) rounded to fp16;
-dequantization reads the fp16 values, `x' = table[code] * d (+ m)`, the formula every kvq_lab kernel reads. The
+layout) from fp32, computing codes with the fp32 scale and storing the scale (and q4_1's / q5_1's minimum) rounded to
+fp16; dequantization reads the fp16 values, `x' = table[code] * d (+ m)`, the formula every kvq_lab kernel reads. The
 operations below follow ggml's reference quantizers (ggml-quants.c, and the `gguf` package's numpy port, which is
 the test oracle) operation for operation, so codes and parameters are ggml's bit for bit.
 """

@@ -27,7 +27,7 @@ import torch
 
 from kvq_lab.quant.formats import CodeFormat, register_format
 from kvq_lab.quant.rounding import div, fp16_round_down, fp16_round_up
-from kvq_lab.quant.spec import DEFAULT_BITS
+from kvq_lab.quant.spec import DEFAULT_BITS, INT_BITS
 
 
 @register_format("int")
@@ -40,7 +40,7 @@ class IntFormat(CodeFormat):
     """
 
     name: str = "int"
-    supported_bits = (1, 2, 3, 4, 8)
+    supported_bits = INT_BITS
     default_bits = DEFAULT_BITS
     params = ("scale", "zero")
     codes_are_values = True
