@@ -17,13 +17,12 @@ def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "f
     """One-line QuantConfigError unless the spec's code format exists, takes its bits (fp8: 8) and its options
     (lut: a codebook). `int` without options is checked by `QuantSpec` itself (its widths are `BITS`), so the
     default config stays free of torch; other formats import the registry and its plugins (torch) here."""
-    if spec.is_identity or (spec.format == "int" and spec.codebook is None):
+    if spec.is_identity or (spec.format == "int" and not spec.format_options()):
         return
     from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import get_format
 
-    options = {} if spec.codebook is None else {"codebook": spec.codebook}
-    get_format(spec.format, spec.bits, bits_name, format_name, **options)
+    get_format(spec.format, spec.bits, bits_name, format_name, **spec.format_options())
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class CacheConfig:
                 raise QuantConfigError(f"recompute.rank={r} applies to mode=recompute only; set mode=recompute")
             return
         k, v = self.key, self.value
-        if (k.bits, k.format, k.codebook) != (v.bits, v.format, v.codebook):
+        if (k.bits, k.format, k.format_options()) != (v.bits, v.format, v.format_options()):
             raise QuantConfigError(
                 f"mode=recompute stores one tensor, X, with the key quantizer: the value quantizer ({v.short()}) must "
                 f"have the key's bits and format ({k.short()}); set bits= (and format=) for both"
