@@ -42,8 +42,8 @@ class CacheConfig:
         dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
     key_transform, value_transform: transforms around each quantizer (`kvq_lab.quant.transforms`), canonical
         spellings in order, e.g. ("rope_pre", "hadamard"); a name, `none` or a list is accepted and normalised.
-    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq),
-        checked here against its bits (fp8: 8 only).
+    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq,
+        nvfp4, ...: `kvq_lab.quant.formats`), checked here against its bits (fp8: 8 only) and options.
     key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
         per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5).
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.

@@ -3,4 +3,16 @@
 The one place that knows the plugins: a new format adds its import here.
 """
 
-from kvq_lab.quant.formats import fp8, int_, iq4_nl, lut, nuq, q4_0, q4_1, q8_0, turbo  # noqa: F401  (registration)
+from kvq_lab.quant.formats import (  # noqa: F401  (registration)
+    fp8,
+    int_,
+    iq4_nl,
+    lut,
+    mxfp4,
+    nuq,
+    nvfp4,
+    q4_0,
+    q4_1,
+    q8_0,
+    turbo,
+)
