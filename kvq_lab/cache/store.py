@@ -18,9 +18,10 @@ class PackedStore:
     scale, zero: [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups): only the
         parameters the format declares (`format.params`), at their stored width (`format.param_encodings`: fp16, or
         uint8 bytes of nvfp4's e4m3 and mxfp4's e8m0 scales); zero is None for formats without a zero point (fp8).
-        What reads them gets `read_params()`: widened to the floats the formula reads (fp16, fp32 for e8m0), a copy
-        made after each write and kept until the next, not counted by `nbytes` (the stored bytes hold the same
-        values); for fp16 parameters the stored tensors themselves.
+        What reads them gets `read_params()`: for fp16 parameters the stored tensors themselves; else a widened copy
+        (fp16 for e4m3, fp32 for e8m0: the floats the formula reads), made at the first read, kept in step with every
+        later write in place (a kept kernel call keeps reading it), remade when the store grows. It is the kernels'
+        working copy, not what the method stores: `nbytes` does not count it (1 or 2 bytes more per group).
     table: fp32 [2^bits], the format's code values (x' = table[code] * scale + zero), or None for int, whose codes
         are their own values. Shared with the format (read-only); per tensor where the format's table depends on what
         a layer fitted (lut's codebook, nvfp4's tensor scale: `format.table_bytes` counts what is stored of it).
@@ -45,10 +46,9 @@ class PackedStore:
         self.zero: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.length = 0  # storage positions written (the furthest row)
-        self.generation = 0  # bumped whenever codes or the parameters read become new tensors (growth; a write of
-        # parameters stored narrower than read): a kept kernel call (`kvq_lab.kernels.cpu_kernel.KeptCall`) holds
-        # their addresses until then
-        self._read: tuple | None = None  # (scale, zero) widened, for a format that `widens`; None: to be made
+        self.generation = 0  # bumped whenever codes, scale, zero or their widened copy become new tensors (growth): a
+        # kept kernel call (`kvq_lab.kernels.cpu_kernel.KeptCall`) holds their addresses until then
+        self._read: tuple | None = None  # (scale, zero) widened, for a format that `widens`; None: not made yet
         self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the stream at prefill
         self.bits = self.format.code_bits
         u, nb = word_layout(self.bits)
@@ -125,15 +125,16 @@ class PackedStore:
         outside the storage; `write` has reserved the room). Parameters are stored at their encoding's width."""
         if (zero is None) != (self.zero is None):
             raise ValueError(f"format={self.format.name} stores {', '.join(self.format.params)}; got zero={zero}")
-        if self.format.widens:  # the widened copy a kernel read (and may keep) no longer holds these groups
-            self._read = None
-            self.generation += 1
-        scale, zero = self.format.encode_params(scale, zero)
+        stored = self.format.encode_params(scale, zero)
         n, G = codes.shape[2], self.spec.group_size
         span = slice(t0, t0 + n) if self.spec.axis == "token" else slice(t0 // G, (t0 + n) // G)
-        self.scale[rows, :, span] = scale
-        if zero is not None:
-            self.zero[rows, :, span] = zero
+        for dst, new in zip((self.scale, self.zero), stored, strict=True):
+            if new is not None:
+                dst[rows, :, span] = new
+        if self._read is not None:  # the widened copy a kernel reads (and may keep): the same groups, read back
+            for dst, new in zip(self._read, self.format.decode_params(*stored), strict=True):
+                if new is not None:
+                    dst[rows, :, span] = new
         self._or_codes(codes, t0, rows)
 
     def _or_codes(self, codes: torch.Tensor, t0: int, rows: slice) -> None:
@@ -173,8 +174,8 @@ class PackedStore:
         return deq
 
     def read_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(scale, zero) as the formula and the kernels read them: the stored tensors for fp16 parameters, else a
-        widened copy (`CodeFormat.decode_params`), made once after each write. (None, None) before any write."""
+        """(scale, zero) as the formula and the kernels read them: the stored tensors for fp16 parameters, else the
+        widened copy (`CodeFormat.decode_params`; see the class docstring). (None, None) before any write."""
         if not self.format.widens:
             return self.scale, self.zero
         if self._read is None:
