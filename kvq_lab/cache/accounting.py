@@ -9,9 +9,10 @@ add what the methods store besides, for a sequence of N tokens of one layer's [H
                      of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
     residuals        each quantized token's residual corrections (`kvq_lab.quant.residuals`: `token_bytes(D)` per token
                      and head, e.g. qjl:64 on D = 64: 8 sign bytes + an fp16 norm, 1.25 bits per element)
-    per layer        the format's table where it stores one (`CodeFormat.table_bytes`: a lut/nuq codebook, fp32,
-                     2^bits entries), key outlier thresholds (fp16, H * D), and what each transform stores
-                     (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders, 1 byte, H * D)
+    per layer        what the format keeps per tensor (`CodeFormat.table_bytes`: a lut/nuq codebook, fp32, 2^bits
+                     entries; nvfp4's fp32 tensor scale), key outlier thresholds (fp16, H * D), and what each
+                     transform stores (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders,
+                     1 byte, H * D)
 
 averaged over the layers (their fitted configs where calibration made them). N: the task's sequence length where
 it has one (task=ppl: context_tokens + eval_tokens), else 1024; reported as `cache/bits_tokens`.

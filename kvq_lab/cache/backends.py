@@ -21,7 +21,8 @@ so the bits are the same); `triton` quantizes, packs, dequantizes and attends wi
 when chosen. `auto` picks triton with CUDA, else cpu where the kernel builds, else torch.
 
 Code formats: every backend reads every format its kernels declare (`kvq_lab.quant.formats.add_kernel_support`; the
-C and Triton kernels read them all) unless the format refuses the backend (`unsupported_backends`). Then `auto`
+C and Triton kernels read them all) unless the format refuses the backend (`unsupported_backends`: mxfp4 refuses the
+C kernel, which reads fp16 parameters, where its E8M0 scale reads as fp32). Then `auto`
 takes the PyTorch path with one warning, and an explicit backend fails (in config validation, before the model
 loads). Quantization is the reference's for every format; `int` has the fast whole-group path and, with Triton,
 the quantize+pack kernel.

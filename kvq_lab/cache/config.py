@@ -21,13 +21,12 @@ def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "f
     (lut: a codebook). `int` without options at one of its widths (`INT_BITS`) needs no registry, so the default
     config stays free of torch; other formats (and int at a width it does not take) import the registry and its
     plugins (torch) here."""
-    if spec.is_identity or (spec.format == "int" and spec.codebook is None and spec.bits in INT_BITS):
+    if spec.is_identity or (spec.format == "int" and not spec.format_options() and spec.bits in INT_BITS):
         return
     from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import get_format
 
-    options = {} if spec.codebook is None else {"codebook": spec.codebook}
-    get_format(spec.format, spec.bits, bits_name, format_name, **options)
+    get_format(spec.format, spec.bits, bits_name, format_name, **spec.format_options())
 
 
 @dataclass(frozen=True)
@@ -47,8 +46,8 @@ class CacheConfig:
         dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
     key_transform, value_transform: transforms around each quantizer (`kvq_lab.quant.transforms`), canonical
         spellings in order, e.g. ("rope_pre", "hadamard"); a name, `none` or a list is accepted and normalised.
-    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq),
-        checked here against its bits (fp8: 8 only).
+    key.format, value.format: each quantizer's code format (`QuantSpec.format`: int, fp8_e4m3, fp8_e5m2, lut, nuq,
+        nvfp4, ...: `kvq_lab.quant.formats`), checked here against its bits (fp8: 8 only) and options.
     key_outliers, value_outliers: the fraction of elements kept exact in a sparse structure (`kvq_lab.quant.outliers`:
         per-channel thresholds for keys, the top |v| of each token for values), in [0, 0.5).
     key_residual, value_residual: corrections of each quantizer's error (`kvq_lab.quant.residuals`: `qjl:<m>`,
@@ -136,7 +135,7 @@ class CacheConfig:
                 raise QuantConfigError(f"recompute.rank={r} applies to mode=recompute only; set mode=recompute")
             return
         k, v = self.key, self.value
-        if (k.bits, k.format, k.codebook) != (v.bits, v.format, v.codebook):
+        if (k.bits, k.format, k.format_options()) != (v.bits, v.format, v.format_options()):
             raise QuantConfigError(
                 f"mode=recompute stores one tensor, X, with the key quantizer: the value quantizer ({v.short()}) must "
                 f"have the key's bits and format ({k.short()}); set bits= (and format=) for both"

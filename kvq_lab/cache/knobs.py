@@ -40,7 +40,8 @@ class CacheKnobs:
     bits: Any = knob(
         None,
         "1, 2, 3, 4, 5, 8 (5: `q5_0`, `q5_1` only); 16 = no quantization. `bits` sets both; `null`: the format's "
-        "width (int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, q5_0 5, q5_1 5, iq4_nl 4, turbo 3)",
+        "width (int 2, lut 2, fp8 8, nuq 3, q8_0 8, q4_0 4, q4_1 4, q5_0 5, q5_1 5, iq4_nl 4, turbo 3, nvfp4 4, "
+        "mxfp4 4)",
     )
     key_bits: Any = knob(None, row="bits")
     value_bits: Any = knob(None, row="bits")
@@ -53,8 +54,12 @@ class CacheKnobs:
         "llama.cpp's cache types `q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `iq4_nl` (ggml's block arithmetic bit for "
         "bit: `group_size=32` per-token is llama.cpp's layout; presets `quant=llamacpp_<type>[_had]`), `turbo` "
         "(TurboQuant's MSE stage, 1-4 bits: one norm per group, Lloyd-Max levels per coordinate; with `rhadamard` "
-        "and `group_size` = the head dim: `quant=turboquant_mse_<b>b`). "
-        "`format` sets both",
+        "and `group_size` = the head dim: `quant=turboquant_mse_<b>b`), the FP4 caches `nvfp4` (NVIDIA: E2M1 codes, "
+        "an E4M3 scale per group, an fp32 scale per layer and tensor fitted on calibration text: 4.5 bits per element "
+        "at G=16) and `mxfp4` (OCP MX, ggml's MXFP4 bit for bit: a power-of-two E8M0 scale per group, 4.25 bits at "
+        "G=32; the C kernel cannot read it: `backend=auto` takes the PyTorch path on the CPU), one-byte scales counted "
+        "at their width; presets `quant=nvfp4` (per-token groups of 16), `quant=mxfp4` (of 32); another `group_size` "
+        "runs the same arithmetic per group. `format` sets both",
     )
     key_format: Any = knob(None, row="format")
     value_format: Any = knob(None, row="format")

@@ -3,7 +3,8 @@
 What is stored, per layer (positions are absolute cache positions 0..N-1; row b of a left-padded batch has
 `p_b` padding positions first, then its real tokens j = 0, 1, ...):
     sinks    the first `sink_tokens` real tokens of each row, exact (post-RoPE keys, as the model made them).
-    history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), fp16 scale/zero per group.
+    history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), scale/zero per group at the
+             format's stored width (fp16; one byte for nvfp4's and mxfp4's scales), widened when read.
     window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and R/16
              spare rows it moves through, one row copied per step: `streams._Window`).
 

@@ -1,4 +1,4 @@
-"""Storage of the packed cache: bit-packed codes and fp16 parameters of one tensor's quantized history."""
+"""Storage of the packed cache: bit-packed codes and per-group parameters of one tensor's quantized history."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ class PackedStore:
 
     codes: uint8 [B, H, n_blocks * BLOCK * bits / 8, D] (`kvq_lab.quant.pack` layout), zero beyond what is written;
         `bits` is the code format's `code_bits`.
-    scale, zero: fp16 [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups): only the
-        parameters the format declares (`format.params`); zero is None for formats without a zero point (fp8).
+    scale, zero: [B, H, T_cap, D/G] (per-token groups) or [B, H, T_cap/G, D] (per-channel groups): only the
+        parameters the format declares (`format.params`), at their stored width (`format.param_encodings`: fp16, or
+        uint8 bytes of nvfp4's e4m3 and mxfp4's e8m0 scales); zero is None for formats without a zero point (fp8).
+        What reads them gets `read_params()`: for fp16 parameters the stored tensors themselves; else a widened copy
+        (fp16 for e4m3, fp32 for e8m0: the floats the formula reads), made at the first read, kept in step with every
+        later write in place (a kept kernel call keeps reading it), remade when the store grows. It is the kernels'
+        working copy, not what the method stores: `nbytes` does not count it (1 or 2 bytes more per group).
     table: fp32 [2^bits], the format's code values (x' = table[code] * scale + zero), or None for int, whose codes
-        are their own values. Shared with the format (read-only).
+        are their own values. Shared with the format (read-only); per tensor where the format's table depends on what
+        a layer fitted (lut's codebook, nvfp4's tensor scale: `format.table_bytes` counts what is stored of it).
     Memory is allocated in whole blocks of BLOCK tokens (per-channel params: whole groups) as tokens arrive.
     `backend` (`kvq_lab.cache.backends`) quantizes what is written and dequantizes what is read.
     outliers (`kvq_lab.quant.outliers.Outliers`, or None): dense-and-sparse; the elements its `mask` marks are kept out
@@ -47,8 +53,9 @@ class PackedStore:
         self.zero: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self.length = 0  # storage positions written (the furthest row)
-        self.generation = 0  # bumped whenever codes, scale or zero become new tensors (growth): a kept kernel call
-        # (`kvq_lab.kernels.cpu_kernel.KeptCall`) holds their addresses until then
+        self.generation = 0  # bumped whenever codes, scale, zero or their widened copy become new tensors (growth): a
+        # kept kernel call (`kvq_lab.kernels.cpu_kernel.KeptCall`) holds their addresses until then
+        self._read: tuple | None = None  # (scale, zero) widened, for a format that `widens`; None: not made yet
         self.dims, self.device = (0, 0, 0), None  # (B, H, D) and device, set by the stream at prefill
         self.bits = self.format.code_bits
         u, nb = word_layout(self.bits)
@@ -68,11 +75,13 @@ class PackedStore:
         blocks = -(-n_tokens // BLOCK)
         rows = blocks * BLOCK * bits // 8
         if self.codes is None:
+            fmt = self.format
             self.codes = like.new_zeros(B, H, 0, D, dtype=torch.uint8)
             p_last = D // G if self.spec.axis == "token" else D
-            self.scale = like.new_zeros(B, H, 0, p_last, dtype=torch.float16)
-            self.zero = self.scale.clone() if "zero" in self.format.params else None
-            self.table = None if self.format.codes_are_values else self.format.table(like.device)
+            self.scale = like.new_zeros(B, H, 0, p_last, dtype=fmt.stored_dtype("scale"))
+            has_zero = "zero" in fmt.params
+            self.zero = like.new_zeros(B, H, 0, p_last, dtype=fmt.stored_dtype("zero")) if has_zero else None
+            self.table = None if fmt.codes_are_values else fmt.table(like.device)
             if self.residual is not None:
                 self.res = like.new_zeros(B, H, 0, self.residual.token_bytes(D), dtype=torch.uint8)
         if rows > self.codes.shape[2]:
@@ -84,10 +93,11 @@ class PackedStore:
         n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
         if n_par > self.scale.shape[2]:
             self.generation += 1
-            extra = self.scale.new_zeros(B, H, n_par - self.scale.shape[2], self.scale.shape[3])
-            self.scale = torch.cat([self.scale, extra], 2)
+            self._read = None
+            extra = (B, H, n_par - self.scale.shape[2], self.scale.shape[3])
+            self.scale = torch.cat([self.scale, self.scale.new_zeros(extra)], 2)
             if self.zero is not None:
-                self.zero = torch.cat([self.zero, extra], 2)
+                self.zero = torch.cat([self.zero, self.zero.new_zeros(extra)], 2)
 
     # -- write -------------------------------------------------------------------------------------------------
     def write(self, x: torch.Tensor, t0: int, valid: torch.Tensor | None = None, rows: slice | None = None) -> None:
@@ -142,15 +152,20 @@ class PackedStore:
 
     def put(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, t0: int, rows: slice) -> None:
         """Store quantized positions [t0, t0 + n): codes uint8 [b, H, n, D] and their params in the reference's
-        layout, zero None for formats without one (for backends that quantize outside the storage; `write` has
-        reserved the room)."""
+        layout and dtype (as read: `QTensor`'s), zero None for formats without one (for backends that quantize
+        outside the storage; `write` has reserved the room). Parameters are stored at their encoding's width."""
         if (zero is None) != (self.zero is None):
             raise ValueError(f"format={self.format.name} stores {', '.join(self.format.params)}; got zero={zero}")
+        stored = self.format.encode_params(scale, zero)
         n, G = codes.shape[2], self.spec.group_size
         span = slice(t0, t0 + n) if self.spec.axis == "token" else slice(t0 // G, (t0 + n) // G)
-        self.scale[rows, :, span] = scale
-        if zero is not None:
-            self.zero[rows, :, span] = zero
+        for dst, new in zip((self.scale, self.zero), stored, strict=True):
+            if new is not None:
+                dst[rows, :, span] = new
+        if self._read is not None:  # the widened copy a kernel reads (and may keep): the same groups, read back
+            for dst, new in zip(self._read, self.format.decode_params(*stored), strict=True):
+                if new is not None:
+                    dst[rows, :, span] = new
         self._or_codes(codes, t0, rows)
 
     def _or_codes(self, codes: torch.Tensor, t0: int, rows: slice) -> None:
@@ -179,7 +194,7 @@ class PackedStore:
         """fp32 [B, H, n, D]: table[code] * scale + zero, the reference's arithmetic (two roundings, no fma)."""
         if n == 0:
             return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
-        deq = self.backend.dequantize(self.codes, self.scale, self.zero, self.spec, n)
+        deq = self.backend.dequantize(self.codes, *self.read_params(), self.spec, n)
         if self.res is not None:
             deq = deq + self.residual.decode(self.res[:, :, :n], self.dims[2])
         if self.out_idx is not None and self.out_idx.numel():
@@ -192,10 +207,19 @@ class PackedStore:
             deq[bh[sel] // H, bh[sel] % H, t[sel], d[sel]] = self.out_val[sel].to(deq.dtype)
         return deq
 
+    def read_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(scale, zero) as the formula and the kernels read them: the stored tensors for fp16 parameters, else the
+        widened copy (`CodeFormat.decode_params`; see the class docstring). (None, None) before any write."""
+        if not self.format.widens:
+            return self.scale, self.zero
+        if self._read is None:
+            self._read = self.format.decode_params(self.scale, self.zero)
+        return self._read
+
     def nbytes(self) -> int:
-        """Codes and parameters as stored, plus the format's own table where it has one per tensor (lut's
-        codebook: `format.table_bytes`; int and fp8 tables are fixed by the format's name and width), sparse
-        outliers and residual corrections."""
+        """Codes and parameters as stored (at their encodings' widths), plus what the format keeps once per tensor
+        (`format.table_bytes`: lut's codebook, nvfp4's fp32 tensor scale; int and fp8 tables are fixed by the
+        format's name and width), sparse outliers and residual corrections."""
         table = self.format.table_bytes if self.codes is not None else 0
         sparse = tensor_bytes(self.out_val) + tensor_bytes(self.out_idx)  # value (model dtype) + int32 index
         return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero, self.res)) + table + sparse

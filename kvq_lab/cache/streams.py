@@ -152,8 +152,9 @@ class _QuantizedStream(ABC):
                 raise ValueError("a padded batch's view carries codes only: build it without transforms to undo")
             dev = self.window.device
             starts, counts = torch.tensor(rows[0], device=dev), torch.tensor(rows[1], device=dev)
+        scale, zero = st.read_params()  # as the kernels read them (widened where stored narrower)
         return StreamView(
-            sink, st.codes, st.scale, st.zero, q, self.window, w,
+            sink, st.codes, scale, zero, q, self.window, w,
             st.bits, self.spec.group_size, self.spec.axis, deq, st.table, starts, counts,
         )  # fmt: skip
 

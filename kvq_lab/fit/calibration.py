@@ -1,6 +1,7 @@
 """Calibration: the data that fitted methods learn from, fitted once per (model, method, settings, code version).
 
-Fitted methods (`needs_calibration`): fitted formats (`CodeFormat.fitted`: nuq codebooks, KVQuant), key outlier
+Fitted methods (`needs_calibration`): fitted formats (`CodeFormat.fitted`: nuq codebooks, KVQuant; nvfp4's per-tensor
+scale), key outlier
 thresholds (`key_outliers`), and fitted transforms (`Transform.fitted`: innerq, rotatekv). One mechanism serves all
 of them, `calibrate` (the run's entry point, and lm-eval's `kvq` model's):
 
@@ -12,9 +13,11 @@ of them, `calibrate` (the run's entry point, and lm-eval's `kvq` model's):
    (a fitted one fits on the tensor as it arrives there: rotatekv after rope_pre sees pre-RoPE keys), gradients
    mapped alongside (g M^-T: `fold_query` of a foldable map, `forward` of rope_pre, both exact for these maps);
    then key outlier thresholds (`kvq_lab.quant.outliers.fit_thresholds`); then a fitted format's `fit` (nuq: a
-   codebook on the group-normalized values with weights g^2 * range^2, outliers excluded).
+   codebook on the group-normalized values with weights g^2 * range^2, outliers excluded; nvfp4: its fp32 tensor
+   scale, the layer's amax / (448 * 6), outliers excluded).
    The result is a `CacheConfig` with one config per layer (`layers`): a fitted format becomes the spec its `fit`
-   returns (nuq: `lut` with the fitted codebook), fitted transforms are named by their `name@digest` spellings.
+   returns (nuq: `lut` with the fitted codebook; nvfp4: itself with `tensor_scale`), fitted transforms are named by
+   their `name@digest` spellings.
 4. Cache (`kvq_lab.fit.fit_cache`): one file per (model, method, settings, text, code), verified against its digest
    on every read; the fitted parameters' own digest (`fitted_digest`) is part of the run's inputs and run key.
 

@@ -1,7 +1,8 @@
 """Calibration, the config side (model-free): the `calibration.*` settings, their checks before anything loads, and
 the calibration text with its tokens.
 
-Fitted methods (`needs_calibration`): fitted formats (`CodeFormat.fitted`: nuq codebooks, KVQuant), key outlier
+Fitted methods (`needs_calibration`): fitted formats (`CodeFormat.fitted`: nuq codebooks, KVQuant; nvfp4's per-tensor
+scale), key outlier
 thresholds (`key_outliers`), and fitted transforms (`Transform.fitted`: innerq, rotatekv); `kvq_lab.fit.calibration`
 fits them. Their text (`calibration.source`) is never the evaluated text:
    - `gsm8k_train` (default): GSM8K *train* questions and answers (`<data_dir>/gsm8k/train.jsonl`, else the hub's

@@ -45,7 +45,8 @@ __all__ = ["KeptCall", "KernelBuildError", "build_error", "cache_dir", "decode_a
 
 MAX_D, MAX_R, CHUNK = 1024, 32, 256  # KVQ_MAX_D, KVQ_MAX_R, KVQ_MAX_CHUNK in the C source
 
-# the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries: every code format
+# the kernel dequantizes `table[code] * scale (+ zero)` with any fp32 table of 2^bits entries and fp16 parameters:
+# every code format whose parameters read as fp16 (one that reads them as fp32, mxfp4, says `unsupported_backends`)
 add_kernel_support("cpu", EVERY_FORMAT)
 
 
@@ -59,6 +60,8 @@ def _stream_fields(sv: StreamView) -> list[int]:
         ss = s.stride()
         if t is None and z is None:  # the kernel's int path adds a zero point: a table-less format must store one
             raise ValueError("a code format without a zero point must give its table (StreamView.table)")
+        if s.dtype is not torch.float16:  # parameters read as fp32 (mxfp4's e8m0) refuse this backend
+            raise ValueError(f"the CPU kernel reads fp16 parameters; got {s.dtype} (use backend=torch or triton)")
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != 1 << sv.bits):
             raise ValueError(f"StreamView.table must be contiguous fp32 [2^bits = {1 << sv.bits}]")
         if z is not None and z.stride() != ss:

@@ -59,8 +59,8 @@ def quantize_whole_groups(x: torch.Tensor, spec: QuantSpec):
 
 def unpack_dequantize(packed, scale, zero, spec: QuantSpec, n: int) -> torch.Tensor:
     """fp32 [B, H, n, D] = table[code] * scale + zero of storage positions [0, n) of packed uint8 [B, H, rows, D]
-    and its fp16 params (zero None: no zero point), the spec's format (the reference's `dequantize`: two roundings,
-    no fma)."""
+    and its params as read (fp16, or fp32 for e8m0: `PackedStore.read_params`; zero None: no zero point), the spec's
+    format (the reference's `dequantize`: two roundings, no fma)."""
     B, H, _, D = packed.shape
     G = spec.group_size
     fmt = code_format(spec)

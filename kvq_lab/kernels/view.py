@@ -38,8 +38,10 @@ class StreamView(NamedTuple):
 
     sink: [B, H, >= s, D] exact tokens; the first s rows are attended.
     codes: uint8 [B, H, rows, D] bit-packed along tokens (`kvq_lab.quant.pack` layout), or None (nothing quantized).
-    scale, zero: fp16 [B, H, T, D/G] (axis `token`) or [B, H, T/G, D] (axis `channel`); None with codes. zero is
-        also None where the code format stores no zero point (fp8): then x' = table[code] * scale.
+    scale, zero: [B, H, T, D/G] (axis `token`) or [B, H, T/G, D] (axis `channel`); None with codes. As read: fp16,
+        or fp32 where the format's stored encoding reads as fp32 (mxfp4's e8m0 scale), widened by the cache from the
+        bytes it stores (`PackedStore.read_params`). zero is also None where the code format stores no zero point
+        (fp8): then x' = table[code] * scale.
     n: quantized history tokens (storage positions [0, n)).
     window: [B, H, W, D] full-precision buffer (W >= w); its last w rows are the window's tokens.
     w: window tokens.

@@ -22,9 +22,11 @@ blocks without touching older ones. Per-token streams that append one token at a
 current (partial) block only: its codes are unpacked and repacked losslessly, never re-quantized.
 
 Byte accounting: a block is allocated whole, so `T` tokens take `ceil(T / BLOCK) * BLOCK * bits / 8` bytes per
-channel; each parameter the code format declares is fp16 (2 bytes) per group (int: scale and zero point; fp8:
-scale only). At 2 bits (int), G = 32, T a multiple of 32: 2 + 2 * 16 / 32 = 3 bits per element (5.33x smaller
-than fp16); fp8, G = 32: 8 + 16 / 32 = 8.5. The integer arithmetic of the layout is `kvq_lab.quant.layout`.
+channel; each parameter the code format declares takes its stored width per group (`CodeFormat.param_encodings`:
+fp16, 2 bytes, unless the format says otherwise; int: scale and zero point; fp8: scale only; nvfp4, mxfp4: a one-byte
+e4m3 / e8m0 scale). At 2 bits (int), G = 32, T a multiple of 32: 2 + 2 * 16 / 32 = 3 bits per element (5.33x smaller
+than fp16); fp8, G = 32: 8 + 16 / 32 = 8.5; nvfp4, G = 16: 4 + 8 / 16 = 4.5; mxfp4, G = 32: 4.25. The integer
+arithmetic of the layout is `kvq_lab.quant.layout`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import BLOCK, packed_rows, padded_tokens, word_layout
-from .reference import PARAM_DTYPE, QTensor, code_format
+from .reference import QTensor, code_format
 from .spec import QuantSpec
 
 __all__ = [
@@ -123,8 +125,9 @@ def pad_tokens(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 class PackedQTensor:
     """A `QTensor` with its codes bit-packed: what the packed cache stores for a chunk of quantized tokens.
 
-    packed: uint8 [B, H, ceil(T_pad / BLOCK) * BLOCK * bits / 8, D]; scale, zero: fp16, as in `QTensor` (zero None
-    where the format stores none).
+    packed: uint8 [B, H, ceil(T_pad / BLOCK) * BLOCK * bits / 8, D]; scale, zero: the parameters of `QTensor` as the
+    format stores them (fp16; uint8 where it declares a one-byte encoding: nvfp4's e4m3, mxfp4's e8m0), zero None
+    where the format stores none. `read_params` widens them to what the dequantize formula and the kernels read.
     """
 
     packed: torch.Tensor
@@ -137,17 +140,22 @@ class PackedQTensor:
 
     @classmethod
     def from_qtensor(cls, q: QTensor, block: int = BLOCK) -> PackedQTensor:
-        packed = pack(pad_tokens(q.codes, block), code_format(q.spec).code_bits, block)
-        return cls(packed, q.scale, q.zero, q.spec, q.length, q.dtype, block)
+        fmt = code_format(q.spec)
+        packed = pack(pad_tokens(q.codes, block), fmt.code_bits, block)
+        return cls(packed, *fmt.encode_params(q.scale, q.zero), q.spec, q.length, q.dtype, block)
+
+    def read_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, zero) as read: the stored parameters widened (`CodeFormat.decode_params`; fp16 ones as they are)."""
+        return code_format(self.spec).decode_params(self.scale, self.zero)
 
     def to_qtensor(self) -> QTensor:
         G = self.spec.group_size
         t_pad = -(-self.length // G) * G if self.spec.axis == "channel" else self.length
         codes = unpack(self.packed, code_format(self.spec).code_bits, self.block)[..., :t_pad, :].contiguous()
-        return QTensor(codes, self.scale, self.zero, self.spec, self.length, self.dtype)
+        return QTensor(codes, *self.read_params(), self.spec, self.length, self.dtype)
 
     def nbytes(self) -> int:
-        """Bytes stored: packed codes plus the format's fp16 parameters."""
+        """Bytes stored: packed codes plus the format's parameters at their stored width."""
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero) if t is not None)
 
     def fp16_nbytes(self) -> int:
@@ -158,8 +166,9 @@ class PackedQTensor:
 
 def qtensor_nbytes(n_tokens: int, D: int, spec: QuantSpec, block: int = BLOCK) -> int:
     """Arithmetic bytes of one [1, 1, n_tokens, D] quantized tensor in this layout (whole blocks, whole groups):
-    codes plus the parameters the spec's format declares (int: scale and zero point; fp8: scale)."""
+    codes plus the parameters the spec's format declares at their stored width (int: fp16 scale and zero point;
+    fp8: fp16 scale; nvfp4, mxfp4: a one-byte scale)."""
     fmt = code_format(spec)
     codes = packed_rows(n_tokens, fmt.code_bits, block) * D
     groups = n_tokens * (D // spec.group_size) if spec.axis == "token" else -(-n_tokens // spec.group_size) * D
-    return codes + len(fmt.params) * groups * PARAM_DTYPE.itemsize
+    return codes + groups * fmt.param_bytes_per_group

@@ -57,8 +57,7 @@ def code_format(spec: QuantSpec) -> CodeFormat:
     if the format is unknown or takes other widths (fp8: 8 bits). Cached per spec (specs are frozen)."""
     if spec.is_identity:
         raise ValueError("bits=16 is the identity: it has no code format (nothing is quantized)")
-    options = {} if spec.codebook is None else {"codebook": spec.codebook}
-    return get_format(spec.format, spec.bits, **options)
+    return get_format(spec.format, spec.bits, **spec.format_options())
 
 
 @dataclass
@@ -66,7 +65,8 @@ class QTensor:
     """Quantized `[B, H, T, D]` tensor in the reference layout.
 
     codes: uint8 `[B, H, T_pad, D]` (T_pad = T rounded up to G for per-channel groups), one code per element.
-    scale, zero: fp16 params, `[B, H, T, D/G]` (token axis) or `[B, H, T_pad/G, D]` (channel axis); zero is None
+    scale, zero: params, `[B, H, T, D/G]` (token axis) or `[B, H, T_pad/G, D]` (channel axis), in the format's
+    `param_dtype` (fp16; fp32 for mxfp4's e8m0 scale), each exactly the value its stored encoding holds; zero is None
     for formats that store no zero point (fp8).
     length: the true token count T; dtype: the dtype dequantization returns.
     Bit packing of `codes` is the storage layer's business (`kvq_lab.quant.pack`).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-PARAM_DTYPE = torch.float16  # every per-group parameter (kvq_lab.quant.formats.PARAM_BYTES)
+PARAM_DTYPE = torch.float16  # a per-group parameter stored "fp16", the default encoding (kvq_lab.quant.formats)
 
 
 def div(x: torch.Tensor, n: float) -> torch.Tensor:

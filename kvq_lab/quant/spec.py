@@ -8,7 +8,9 @@ This module imports nothing heavy: config validation reads it without torch.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
+import struct
 from dataclasses import dataclass
 
 from kvq_lab.common.errors import QuantConfigError  # noqa: F401  (raised here; re-exported for callers)
@@ -33,10 +35,13 @@ class QuantSpec:
         `channel` -> one group = `group_size` consecutive tokens of one channel (KIVI's "per-channel").
     bits: 1, 2, 3, 4, 5, 8, or 16 (identity, nothing is quantized, whatever the format); the format may allow fewer
         (fp8: 8 only; int: `INT_BITS`; 5: q5_0 and q5_1).
-    format: a registered code format (`kvq_lab.quant.formats.FORMATS`): `int` (asymmetric uniform, KIVI's),
-        `fp8_e4m3`, `fp8_e5m2`, `lut`. Resolved, and its bits checked, by `kvq_lab.quant.reference.code_format`.
+    format: a registered code format (`kvq_lab.quant.formats.FORMATS`, listed in its docstring): `int` (asymmetric
+        uniform, KIVI's), `fp8_e4m3`, `lut`, `nvfp4`, ... Resolved, and its bits checked, by
+        `kvq_lab.quant.reference.code_format`.
     codebook: the format's code values where it takes them (lut: 2^bits sorted numbers; None = its default),
         kept as a tuple so the spec stays hashable; a list is converted.
+    tensor_scale: the per-tensor scale of a format that has one (nvfp4's global scale, fitted per layer and tensor by
+        calibration), a positive number rounded to fp32; None = the format's default.
     """
 
     bits: int = 2
@@ -44,6 +49,7 @@ class QuantSpec:
     axis: str = "token"
     format: str = DEFAULT_FORMAT
     codebook: tuple[float, ...] | None = None
+    tensor_scale: float | None = None
 
     def __post_init__(self):
         if self.axis not in AXES:
@@ -60,6 +66,14 @@ class QuantSpec:
             except (TypeError, ValueError):
                 raise QuantConfigError(f"codebook={self.codebook!r} must be a sequence of numbers") from None
             object.__setattr__(self, "codebook", cb)
+        if self.tensor_scale is not None:
+            object.__setattr__(self, "tensor_scale", fp32_tensor_scale(self.tensor_scale))
+
+    def format_options(self) -> dict:
+        """What the spec hands its code format besides the width (`get_format`): the options it gives (lut's
+        `codebook`, nvfp4's `tensor_scale`); a format without such an option refuses it in one line."""
+        given = (("codebook", self.codebook), ("tensor_scale", self.tensor_scale))
+        return {k: v for k, v in given if v is not None}
 
     @property
     def is_identity(self) -> bool:
@@ -81,7 +95,8 @@ class QuantSpec:
 
     def code_tag(self) -> str:
         """The codes in a label: `2b` for int (as before formats existed), else the format's name without `_`,
-        plus the width where the name does not state it (`fp8e4m3`, `lut2b`), plus a hash of a given codebook."""
+        plus the width where the name does not state it (`fp8e4m3`, `lut2b`), plus a hash of a given codebook or
+        tensor scale."""
         if self.format == DEFAULT_FORMAT and self.codebook is None:
             return f"{self.bits}b"
         tag = self.format.replace("_", "")
@@ -89,6 +104,8 @@ class QuantSpec:
             tag += f"{self.bits}b"
         if self.codebook is not None:
             tag += "." + hashlib.sha256(repr(self.codebook).encode()).hexdigest()[:6]
+        if self.tensor_scale is not None:
+            tag += ".s" + hashlib.sha256(repr(self.tensor_scale).encode()).hexdigest()[:6]
         return tag
 
     def short(self) -> str:
@@ -96,3 +113,15 @@ class QuantSpec:
         if self.is_identity:
             return "16b"
         return f"{self.code_tag()}-{'C' if self.axis == 'channel' else 'T'}{self.group_size}"
+
+
+def fp32_tensor_scale(v) -> float:
+    """A per-tensor scale as stored: a positive finite number rounded to fp32 (one-line QuantConfigError if not)."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    try:
+        f = struct.unpack("f", struct.pack("f", float(v)))[0] if ok else 0.0
+    except OverflowError:
+        f = 0.0
+    if not (math.isfinite(f) and f > 0):
+        raise QuantConfigError(f"tensor_scale={v!r} must be a positive number within fp32's range (e.g. 0.01)")
+    return f

@@ -60,8 +60,9 @@ class RunSchema(CacheKnobs):
     logger: Any = knob(None, "`wandb` (offline unless `logger.mode=online` or `WANDB_MODE`) or `none`", factory=dict)
     calibration: Any = knob(
         None,
-        "text the fitted methods (`nuq`, `key_outliers`, `innerq`, `rotatekv`) learn from, never the evaluated text: "
-        "`gsm8k_train` (GSM8K train split), `coqa_stories` (the tail of the CoQA stories, after the ppl windows; "
+        "text the fitted methods (`nuq`, `nvfp4`, `key_outliers`, `innerq`, `rotatekv`) learn from, never the "
+        "evaluated text: `gsm8k_train` (GSM8K train split), `coqa_stories` (the tail of the CoQA stories, after the "
+        "ppl windows; "
         "refused for the CoQA tasks), `file` (`calibration.path`); `calibration.tokens` (2048). Fitted once per model, "
         "method, settings and code version, kept in `~/.cache/kvq_lab/calibration/` with its digest "
         "(`kvq_lab/fit/calibration.py`)",

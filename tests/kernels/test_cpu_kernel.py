@@ -357,6 +357,8 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
     the hadamard maps in the kernel and a pipeline kvq_sdpa folds; across window flushes, store growth, rope position
     buffer growth and a history that appears after the call was kept (a prompt shorter than the window). And the kept
     calls are what ran: the view is built again only when a store grew (or the call handed a step back)."""
+    if "cpu" in FORMATS[fmt].unsupported_backends:  # its refusal is checked by tests/quant/test_format_matrix.py
+        pytest.skip(f"format={fmt} refuses the C kernel (unsupported_backends)")
     kw = {"residual_length": 32, **_kept_variants()[variant]}
     bits = default_bits(fmt)
     cfg = CacheConfig(

@@ -57,11 +57,17 @@ def check_round_trip(fmt, g: torch.Tensor, valid: torch.Tensor | None = None) ->
     codes, scale, zero = fmt.quantize_groups(g, valid)
     assert codes.dtype == torch.uint8 and codes.shape == g.shape
     assert int(codes.max()) < 2**fmt.bits
-    assert scale.dtype == torch.float16 and scale.shape == g.shape[:-1]
+    assert scale.dtype == fmt.param_dtype("scale") and scale.shape == g.shape[:-1]
     if "zero" in fmt.params:
-        assert zero is not None and zero.dtype == torch.float16 and zero.shape == g.shape[:-1]
+        assert zero is not None and zero.dtype == fmt.param_dtype("zero") and zero.shape == g.shape[:-1]
     else:
         assert zero is None
+    # the parameters are what their encoding stores: narrowed and widened again, bit for bit the same
+    stored = fmt.encode_params(scale, zero)
+    assert stored[0].dtype == fmt.stored_dtype("scale")
+    again = fmt.decode_params(*stored)
+    assert torch.equal(again[0].view(torch.uint8), scale.view(torch.uint8))
+    assert zero is None or torch.equal(again[1].view(torch.uint8), zero.view(torch.uint8))
     y = fmt.dequantize_groups(codes, scale, zero)
     assert y.dtype == torch.float32 and torch.isfinite(y).all()
     err = (y - g.float()).abs()
@@ -119,7 +125,10 @@ def test_declared_layout_and_table(name, bits):
     fmt = get_format(name, bits)
     assert (fmt.name, fmt.bits, fmt.code_bits) == (name, bits, bits)
     assert fmt.params[0] == "scale" and set(fmt.params) <= {"scale", "zero"}
-    assert fmt.param_bytes_per_group == reference.PARAM_DTYPE.itemsize * len(fmt.params)
+    # the stored width of each parameter, as its encoding declares (fp16 unless the format says otherwise)
+    assert fmt.param_bytes_per_group == sum(fmt.stored_dtype(p).itemsize for p in fmt.params)
+    assert fmt.param_bytes_per_group == sum(formats.PARAM_ENCODINGS[fmt.param_encoding(p)] for p in fmt.params)
+    assert fmt.widens == any(fmt.stored_dtype(p) != reference.PARAM_DTYPE for p in fmt.params)
     t = fmt.table()
     assert t.dtype == torch.float32 and t.shape == (2**bits,) and torch.isfinite(t).all()
     assert fmt.table("cpu") is t  # built once per device: dequantization reads it every call

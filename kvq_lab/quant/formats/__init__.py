@@ -5,13 +5,28 @@ Every format dequantizes with one formula, so a kernel that implements it reads 
     x' = table[code] * scale + zero          (fp32; `zero` is 0 for formats that do not store it)
 
 `table` is an fp32 vector of 2^bits entries fixed by the format (int: the integers; fp8: the values of the 256
-bit patterns) or given per tensor / layer (lut: a codebook); `scale` and `zero` are fp16, one per group.
+bit patterns) or given per tensor / layer (lut: a codebook; nvfp4: E2M1 values times its per-tensor scale); `scale`
+and `zero` are one per group, stored as the format declares (`param_encodings`: fp16 unless it says otherwise) and
+read as a float that holds the stored value exactly (`param_dtype`: fp16, or fp32 for e8m0).
 Groups are formed elsewhere (`kvq_lab.quant.groups.grouped`); a format only sees the grouped layout:
 
     g      [..., n_groups, G]   the values (any float dtype; arithmetic in fp32)
     valid  bool, broadcastable to g, or None: which elements may enter the group's statistics
     codes  uint8 [..., n_groups, G], every code < 2^bits (elements outside `valid` get code 0)
-    scale  fp16 [..., n_groups];  zero: fp16 [..., n_groups], or None when the format stores no zero point
+    scale  [..., n_groups] in its `param_dtype` (fp16 for most formats);  zero: the same, or None when the format
+           stores no zero point
+
+Parameter storage (`param_encodings`, a ClassVar mapping a parameter to its encoding where it is not fp16; bytes per
+parameter in PARAM_ENCODINGS; the conversions are `kvq_lab.quant.formats.encodings`):
+
+    fp16   2 bytes, read as is (every format before fp4)
+    e4m3   1 byte: an fp8 E4M3 value (e4m3fn bits), read as the fp16 of that value (exact)
+    e8m0   1 byte: a power of two 2^(e - 127) stored as its biased exponent e (OCP MX), read as fp32 (exact; fp16
+           holds 2^-24 .. 2^15 only)
+
+The byte accounting counts the stored width (`param_bytes_per_group`, `bits_per_element`, `tensor_nbytes`,
+`kvq_lab.quant.pack.qtensor_nbytes`); packed storage holds the stored bytes and widens them on read
+(`encode_params`, `decode_params`), so quantization, the formula above and the kernels see the read floats.
 
 Registered formats (import `kvq_lab.quant.formats.builtin` to register them all):
     int               asymmetric uniform integer, today's arithmetic (`kvq_lab.quant.reference`), bits 1-4, 8
@@ -22,6 +37,9 @@ Registered formats (import `kvq_lab.quant.formats.builtin` to register them all)
     q5_0, q5_1        the same at 5 bits (ggml's block_q5_0 / block_q5_1), packed 8 codes to a 40-bit word
     iq4_nl            llama.cpp's non-linear 4-bit type: 16 fixed values, a searched fp16 scale per group
     turbo             TurboQuant's MSE stage: |x| / sqrt(n) per group, Lloyd-Max levels of N(0, 1), bits 1-4
+    nvfp4             NVIDIA's FP4: E2M1 codes, an E4M3 scale per block (16: `group_size=16`), an fp32 scale per layer
+                      and tensor fitted on calibration data (amax / (448 * 6))
+    mxfp4             OCP MX FP4 (ggml's MXFP4 bit for bit): E2M1 codes, a power-of-two E8M0 scale per block (32)
 
 Adding a format
 ---------------
@@ -34,14 +52,16 @@ One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `f
         name: str = "myfmt"
         supported_bits = (2, 4)
         default_bits = 4                        # the width when the config gives none (`key_bits: null`)
-        params = ("scale",)                     # what one group stores, fp16 each
+        params = ("scale",)                     # what one group stores, in this order
+        param_encodings = {"scale": "e4m3"}     # how, where not fp16 (PARAM_ENCODINGS); default: all fp16
 
         def build_table(self): ...              # -> fp32 [2^bits], on the CPU
         def quantize_groups(self, g, valid=None): ...   # -> codes, scale, zero (None if not in params)
         def error_bound(self, g, scale, zero): ...      # -> fp32 [..., n_groups, G], the worst case |x - x'|
 
-A format that stores a table once per layer says so in `table_bytes` (the byte accounting adds it); one fitted on
-calibration data sets `fitted = True` and implements `fit` (calibration calls it per layer; `nuq` is the example).
+A format that stores something once per tensor or layer says so in `table_bytes` (lut: its codebook; nvfp4: its fp32
+tensor scale; the byte accounting adds it); one fitted on calibration data sets `fitted = True` and implements `fit`
+(calibration calls it per layer; `nuq` and `nvfp4` are the examples).
 
 `tests/quant/test_formats.py` iterates `FORMATS` and each format's `supported_bits`, so the new format is tested
 (round trip within its own `error_bound`, codes in range, the dequantize formula, adversarial inputs) with no
@@ -56,6 +76,7 @@ This module imports neither torch nor its plugins: plugins register themselves w
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar
@@ -66,7 +87,9 @@ from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 if TYPE_CHECKING:
     import torch
 
-PARAM_BYTES = 2  # every per-group parameter is fp16 (kvq_lab.quant.rounding.PARAM_DTYPE)
+# how a per-group parameter may be stored (`CodeFormat.param_encodings`) -> its bytes (module docstring)
+PARAM_ENCODINGS: dict[str, int] = {"fp16": 2, "e4m3": 1, "e8m0": 1}
+PARAM_BYTES = PARAM_ENCODINGS["fp16"]  # the default encoding (kvq_lab.quant.rounding.PARAM_DTYPE)
 EVERY_FORMAT = "*"  # add_kernel_support(backend, "*"): the kernels read the table formula, so every format
 
 FORMATS: dict[str, type[CodeFormat]] = {}
@@ -77,10 +100,16 @@ def register_format(name: str):
     """Class decorator: make `name` resolve to the decorated `CodeFormat` subclass in `FORMATS`.
 
     A class may carry several names (fp8_e4m3 and fp8_e5m2 share one class); the instance's `name` field says
-    which one it is.
+    which one it is. Its `param_encodings` must name its own parameters and known encodings (PARAM_ENCODINGS).
     """
 
     def decorate(cls: type[CodeFormat]) -> type[CodeFormat]:
+        for param, enc in cls.param_encodings.items():
+            if param not in cls.params or enc not in PARAM_ENCODINGS:
+                raise ValueError(
+                    f"{cls.__qualname__}.param_encodings: {param!r} -> {enc!r}; its params are {cls.params} and the "
+                    f"encodings {', '.join(PARAM_ENCODINGS)}"
+                )
         old = FORMATS.get(name)
         # re-importing the same module (importlib.reload) re-registers the same class under a new identity
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -158,7 +187,7 @@ def get_format(
 
 @dataclass(frozen=True)
 class CodeFormat(ABC):
-    """A code format: `bits`-bit codes plus per-group fp16 parameters (see the module docstring for shapes).
+    """A code format: `bits`-bit codes plus per-group parameters (see the module docstring for shapes and storage).
 
     Subclasses set `supported_bits` and `params` (class attributes), give `name` a default, and implement
     `build_table`, `quantize_groups` and `error_bound`. Dequantization is the same formula for every format
@@ -171,7 +200,9 @@ class CodeFormat(ABC):
     names: ClassVar[tuple[str, ...]] = ()  # registered names, filled by `register_format`
     supported_bits: ClassVar[tuple[int, ...]] = ()
     default_bits: ClassVar[int | None] = None  # the width when none is given; None: the only supported one
-    params: ClassVar[tuple[str, ...]] = ("scale", "zero")  # stored per group, fp16 each, in this order
+    params: ClassVar[tuple[str, ...]] = ("scale", "zero")  # stored per group, in this order
+    # how a parameter is stored where it is not fp16: "e4m3" or "e8m0" (PARAM_ENCODINGS; the module docstring)
+    param_encodings: ClassVar[Mapping[str, str]] = {}
     unsupported_backends: ClassVar[tuple[str, ...]] = ()  # backends that cannot read it although they read "*"
     codes_are_values: ClassVar[bool] = False  # table[c] == c: a kernel may use the code itself (int's fast path)
     allows_identity: ClassVar[bool] = True  # bits=16 means "not quantized" (False: an error, as for a fitted format)
@@ -189,13 +220,49 @@ class CodeFormat(ABC):
         """Bits per stored code (packed by `kvq_lab.quant.pack`)."""
         return self.bits
 
+    def param_encoding(self, param: str) -> str:
+        """How parameter `param` is stored: "fp16" (the default), "e4m3" or "e8m0"."""
+        return self.param_encodings.get(param, "fp16")
+
     @property
     def param_bytes_per_group(self) -> int:
-        return PARAM_BYTES * len(self.params)
+        """Stored bytes of one group's parameters, at their encodings' widths (int: 2 + 2; nvfp4, mxfp4: 1)."""
+        return sum(PARAM_ENCODINGS[self.param_encoding(p)] for p in self.params)
+
+    @property
+    def widens(self) -> bool:
+        """Whether a parameter is stored narrower than it is read (e4m3, e8m0): a store then widens it on read."""
+        return any(self.param_encoding(p) != "fp16" for p in self.params)
+
+    def param_dtype(self, param: str = "scale") -> torch.dtype:
+        """The float `param` is read as (what `quantize_groups` returns and the formula reads): fp16, fp32 for e8m0."""
+        from .encodings import READ
+
+        return READ[self.param_encoding(param)]
+
+    def stored_dtype(self, param: str = "scale") -> torch.dtype:
+        """The dtype `param` is stored in: fp16, or uint8 for the one-byte encodings."""
+        from .encodings import STORED
+
+        return STORED[self.param_encoding(param)]
+
+    def encode_params(self, scale: torch.Tensor, zero: torch.Tensor | None):
+        """(scale, zero) as read -> as stored (`decode_params` inverts it exactly; fp16 parameters are returned as
+        they are)."""
+        from .encodings import encode
+
+        return encode(self.param_encoding("scale"), scale), encode(self.param_encoding("zero"), zero)
+
+    def decode_params(self, scale: torch.Tensor | None, zero: torch.Tensor | None):
+        """(scale, zero) as stored -> as read: widened to `param_dtype` (fp16 parameters are returned as they are)."""
+        from .encodings import decode
+
+        return decode(self.param_encoding("scale"), scale), decode(self.param_encoding("zero"), zero)
 
     @property
     def table_bytes(self) -> int:
-        """Bytes of the table a store must hold once per tensor or layer: 0 where name and bits fix the table."""
+        """Bytes a store keeps once per tensor or layer to know its table: 0 where name and bits fix the table (lut: the
+        codebook, 4 * 2^bits; nvfp4: its fp32 tensor scale, 4, the table being E2M1 values times it)."""
         return 0
 
     def fit(self, spec: QuantSpec, x: torch.Tensor, g: torch.Tensor, mask: torch.Tensor | None = None) -> QuantSpec:
@@ -230,7 +297,8 @@ class CodeFormat(ABC):
     def quantize_groups(
         self, g: torch.Tensor, valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """g [..., n, G] -> (codes uint8 [..., n, G], scale fp16 [..., n], zero fp16 [..., n] or None)."""
+        """g [..., n, G] -> (codes uint8 [..., n, G], scale [..., n], zero [..., n] or None), parameters in their
+        `param_dtype` and representable in their encoding (fp16 for most formats)."""
 
     def dequantize_groups(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
         """codes [..., n, G], scale/zero [..., n] -> fp32 [..., n, G] = table[codes] * scale + zero."""
@@ -261,12 +329,13 @@ def _midpoints(fmt: CodeFormat, device: str) -> torch.Tensor:
 def bits_per_element(
     fmt: CodeFormat, group_size: int, axis: str = "token", n_tokens: int | None = None, head_dim: int | None = None
 ) -> float:
-    """Stored bits per element: codes plus per-group parameters, e.g. int2 G32: 2 + 2*16/32 = 3.0, fp8 G32: 8.5.
+    """Stored bits per element: codes plus per-group parameters at their stored width, e.g. int2 G32: 2 + 2*16/32 =
+    3.0, fp8 G32: 8.5, nvfp4 G16: 4 + 8/16 = 4.5 (e4m3 scales), mxfp4 G32: 4 + 8/32 = 4.25 (e8m0 scales).
 
     Without a shape: whole groups, `code_bits + 8 * param_bytes_per_group / group_size` (the axis only changes
     how partial groups and blocks round up). With `n_tokens` and `head_dim`: the exact count of one
-    [1, 1, n_tokens, head_dim] tensor in the packed layout (`tensor_nbytes`). Neither includes a stored table
-    (`fmt.table_bytes`, once per tensor or layer that owns one: 64 bytes for a 4-bit lut).
+    [1, 1, n_tokens, head_dim] tensor in the packed layout (`tensor_nbytes`). Neither includes what is kept once per
+    tensor (`fmt.table_bytes`, for a tensor or layer that owns one: 64 bytes for a 4-bit lut, 4 for nvfp4).
     """
     spec = QuantSpec(fmt.code_bits, group_size, axis)  # validates group_size and axis with one-line errors
     if n_tokens is None and head_dim is None:
@@ -278,7 +347,8 @@ def bits_per_element(
 
 def tensor_nbytes(fmt: CodeFormat, group_size: int, axis: str, n_tokens: int, head_dim: int) -> int:
     """Bytes of one quantized [1, 1, n_tokens, head_dim] tensor: codes in whole packing blocks of tokens
-    (`kvq_lab.quant.pack`), parameters in whole groups, table excluded. For int it is `pack.qtensor_nbytes`."""
+    (`kvq_lab.quant.pack`), parameters in whole groups at their stored width, table excluded. It is
+    `pack.qtensor_nbytes` for the format's spec."""
     spec = QuantSpec(fmt.code_bits, group_size, axis)  # validates group_size and axis
     spec.check_head_dim(head_dim)
     G = spec.group_size
