@@ -185,7 +185,7 @@ def test_bits_count_the_corrections():
         ({"residual": "sparse:0.5"}, "residual=sparse:0.5 needs the fraction kept, in (0, 0.5)"),
         ({"key_residual": "lowrank"}, "key_residual='lowrank' is not a registered residual correction"),
         ({"key_residual": "qjl:64", "key_bits": 16}, "keys are not quantized (key_bits=16): unset key_residual"),
-        ({"value_residual": ["qjl:64", "qjl:64"]}, "value_residual lists qjl:64 twice"),
+        ({"value_residual": ["qjl:64", "sparse:0.1", "sparse:0.1"]}, "value_residual lists sparse:0.1 twice"),
         ({"residual": "qjl:64", "key_residual": "qjl:32"}, "residual=qjl:64 and key_residual=qjl:32 disagree"),
         ({"mode": "recompute", "key_residual": "qjl:64"}, "residual corrections and per-layer configs do not apply"),
     ],

@@ -33,18 +33,24 @@ class Q4_0Format(CodeFormat):
     supported_bits = (4,)
     params = ("scale",)
 
+    # q5_0 is the same arithmetic at 5 bits (`q5_0.py`): everything below reads the width from `bits`
+    @property
+    def half(self) -> int:
+        """2^(bits - 1): 8 for q4_0, 16 for q5_0 (the offset of the codes; the signed absmax maps to -half d)."""
+        return 1 << (self.bits - 1)
+
     def build_table(self) -> torch.Tensor:
-        return torch.arange(16, dtype=torch.float32) - 8
+        return torch.arange(2 * self.half, dtype=torch.float32) - self.half
 
     def _d(self, g: torch.Tensor, valid=None) -> torch.Tensor:
-        return signed_absmax(masked(g.float(), valid, 0.0)) / -8
+        return signed_absmax(masked(g.float(), valid, 0.0)) / -self.half  # a power of two: exact on every device
 
     def quantize_groups(self, g, valid=None):
         x = g.float()
         d = self._d(x, valid)
-        codes = torch.trunc(x * inverse(d).unsqueeze(-1) + 8.5).clamp(0, 15)
+        codes = torch.trunc(x * inverse(d).unsqueeze(-1) + (self.half + 0.5)).clamp(0, 2 * self.half - 1)
         return zero_invalid(codes.to(torch.uint8), valid), to_fp16(d), None
 
     def error_bound(self, g, scale, zero):
         d = self._d(g)
-        return (d.abs() + 8 * (d - scale.float()).abs()).unsqueeze(-1).expand(g.shape)
+        return (d.abs() + self.half * (d - scale.float()).abs()).unsqueeze(-1).expand(g.shape)

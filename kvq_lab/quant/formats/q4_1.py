@@ -32,8 +32,14 @@ class Q4_1Format(CodeFormat):
     supported_bits = (4,)
     params = ("scale", "zero")
 
+    # q5_1 is the same arithmetic at 5 bits (`q5_1.py`): everything below reads the width from `bits`
+    @property
+    def levels(self) -> int:
+        """2^bits - 1: 15 for q4_1, 31 for q5_1."""
+        return (1 << self.bits) - 1
+
     def build_table(self) -> torch.Tensor:
-        return torch.arange(16, dtype=torch.float32)
+        return torch.arange(self.levels + 1, dtype=torch.float32)
 
     def _range(self, g: torch.Tensor, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
         x = g.float()
@@ -41,15 +47,15 @@ class Q4_1Format(CodeFormat):
         mx = masked(x, valid, -float("inf")).amax(-1)
         empty = ~torch.isfinite(mn)  # no valid element: any parameters will do
         mn, mx = torch.where(empty, 0.0, mn), torch.where(empty, 0.0, mx)
-        return mn, div(mx - mn, 15)
+        return mn, div(mx - mn, self.levels)
 
     def quantize_groups(self, g, valid=None):
         x = g.float()
         mn, d = self._range(x, valid)
-        codes = torch.trunc((x - mn.unsqueeze(-1)) * inverse(d).unsqueeze(-1) + 0.5).clamp(0, 15)
+        codes = torch.trunc((x - mn.unsqueeze(-1)) * inverse(d).unsqueeze(-1) + 0.5).clamp(0, self.levels)
         return zero_invalid(codes.to(torch.uint8), valid), to_fp16(d), to_fp16(mn)
 
     def error_bound(self, g, scale, zero):
         mn, d = self._range(g)
-        bound = d.abs() / 2 + 15 * (d - scale.float()).abs() + (mn - zero.float()).abs()
+        bound = d.abs() / 2 + self.levels * (d - scale.float()).abs() + (mn - zero.float()).abs()
         return bound.unsqueeze(-1).expand(g.shape)

@@ -18,34 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvq_lab.quant.formats import CodeFormat, register_format
-from kvq_lab.quant.formats.ggml import inverse, masked, signed_absmax, to_fp16, zero_invalid
+from kvq_lab.quant.formats import register_format
+from kvq_lab.quant.formats.q4_0 import Q4_0Format
 
 
 @register_format("q5_0")
 @dataclass(frozen=True)
-class Q5_0Format(CodeFormat):
+class Q5_0Format(Q4_0Format):
     """llama.cpp's q5_0: codes trunc(x / d + 16.5) clamped to 31, d = signed absmax / -16, stored fp16 (module
-    docstring)."""
+    docstring); `q4_0`'s arithmetic, which reads its width from `bits`."""
 
     name: str = "q5_0"
     supported_bits = (5,)
-    params = ("scale",)
-
-    def build_table(self) -> torch.Tensor:
-        return torch.arange(32, dtype=torch.float32) - 16
-
-    def _d(self, g: torch.Tensor, valid=None) -> torch.Tensor:
-        return signed_absmax(masked(g.float(), valid, 0.0)) / -16
-
-    def quantize_groups(self, g, valid=None):
-        x = g.float()
-        d = self._d(x, valid)
-        codes = torch.trunc(x * inverse(d).unsqueeze(-1) + 16.5).clamp(0, 31)
-        return zero_invalid(codes.to(torch.uint8), valid), to_fp16(d), None
-
-    def error_bound(self, g, scale, zero):
-        d = self._d(g)
-        return (d.abs() + 16 * (d - scale.float()).abs()).unsqueeze(-1).expand(g.shape)

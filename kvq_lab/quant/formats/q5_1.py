@@ -17,41 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from kvq_lab.quant.formats import CodeFormat, register_format
-from kvq_lab.quant.formats.ggml import inverse, masked, to_fp16, zero_invalid
-from kvq_lab.quant.rounding import div
+from kvq_lab.quant.formats import register_format
+from kvq_lab.quant.formats.q4_1 import Q4_1Format
 
 
 @register_format("q5_1")
 @dataclass(frozen=True)
-class Q5_1Format(CodeFormat):
+class Q5_1Format(Q4_1Format):
     """llama.cpp's q5_1: codes trunc((x - min) / d + 0.5), d = (max - min) / 31; d and min stored fp16 (module
-    docstring)."""
+    docstring); `q4_1`'s arithmetic, which reads its width from `bits`."""
 
     name: str = "q5_1"
     supported_bits = (5,)
-    params = ("scale", "zero")
-
-    def build_table(self) -> torch.Tensor:
-        return torch.arange(32, dtype=torch.float32)
-
-    def _range(self, g: torch.Tensor, valid=None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = g.float()
-        mn = masked(x, valid, float("inf")).amin(-1)
-        mx = masked(x, valid, -float("inf")).amax(-1)
-        empty = ~torch.isfinite(mn)  # no valid element: any parameters will do
-        mn, mx = torch.where(empty, 0.0, mn), torch.where(empty, 0.0, mx)
-        return mn, div(mx - mn, 31)
-
-    def quantize_groups(self, g, valid=None):
-        x = g.float()
-        mn, d = self._range(x, valid)
-        codes = torch.trunc((x - mn.unsqueeze(-1)) * inverse(d).unsqueeze(-1) + 0.5).clamp(0, 31)
-        return zero_invalid(codes.to(torch.uint8), valid), to_fp16(d), to_fp16(mn)
-
-    def error_bound(self, g, scale, zero):
-        mn, d = self._range(g)
-        bound = d.abs() / 2 + 31 * (d - scale.float()).abs() + (mn - zero.float()).abs()
-        return bound.unsqueeze(-1).expand(g.shape)

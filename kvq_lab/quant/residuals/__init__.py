@@ -144,8 +144,9 @@ def check_residuals(spellings, knob: str) -> tuple[str, ...]:
             out.append(get_residual(s).spelling)
         except QuantConfigError as e:
             raise QuantConfigError(f"{knob}={e}") from None
-    if len(set(out)) != len(out):
-        raise QuantConfigError(f"{knob} lists {out[0]} twice; give each correction once")
+    twice = next((s for i, s in enumerate(out) if s in out[:i]), None)
+    if twice is not None:
+        raise QuantConfigError(f"{knob} lists {twice} twice; give each correction once")
     return tuple(out)
 
 
