@@ -55,6 +55,16 @@ def test_defaults_are_valid(data_dir):
     assert plan.task == "coqa_turns"
 
 
+@pytest.mark.parametrize("group", ["quant", "experiment", "task", "model", "calibration", "precision"])
+def test_a_misspelled_preset_fails_instead_of_running_the_defaults(group):
+    """Every config group refuses a name it does not hold (an `optional` group would silently run the defaults: a
+    record of a config nobody asked for)."""
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=f"Could not find '{group}/no_such_preset'"):
+        compose([f"{group}=no_such_preset"])
+
+
 def test_every_config_composes(data_dir, tmp_path):
     """Every option of every config group composes against the schema and validates, given what it needs
     (`calibration=file` a text, `precision=search` a budget); `precision=file` without its file refuses in one line
