@@ -8,7 +8,8 @@ add what the methods store besides, for a sequence of N tokens of one layer's [H
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
                      of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
     residuals        each quantized token's residual corrections (`kvq_lab.quant.residuals`: `token_bytes(D)` per token
-                     and head, e.g. qjl:64 on D = 64: 8 sign bytes + an fp16 norm, 1.25 bits per element)
+                     and head, e.g. qjl:64 on D = 64: 8 sign bytes + an fp16 norm, 1.25 bits per element; a block
+                     correction's incomplete last block holds its error at 16 bits per element)
     per layer        what the format keeps per tensor (`CodeFormat.table_bytes`: a lut/nuq codebook, fp32, 2^bits
                      entries; nvfp4's fp32 tensor scale), key outlier thresholds (fp16, H * D), and what each
                      transform stores (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders,
@@ -46,7 +47,8 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
         bits += quant * share * 8 * entry_bytes()
     chain = cache.residual(tensor)
     if chain is not None:
-        bits += quant * 8 * chain.token_bytes(head_dim) / head_dim
+        whole = quant // chain.block * chain.block  # the rest: an incomplete unit, its error held in fp16
+        bits += whole * 8 * chain.token_bytes(head_dim) / head_dim + (quant - whole) * 16.0
     per_layer = 8 * fmt.table_bytes  # bytes -> bits, over H*N*D elements
     if tensor == "key" and cache.key_outlier_thresholds is not None:
         per_layer += 16 * heads * head_dim

@@ -124,6 +124,25 @@ class CacheConfig:
                 f"{self.key.group_size} (keys are flushed in whole groups); e.g. residual_length="
                 f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
             )
+        self._check_residual_units()
+
+    def _check_residual_units(self) -> None:
+        """Packed mode flushes a per-channel tensor's window whole: a block correction (`lowrank`) needs whole blocks
+        in each flush (per-token tensors keep an incomplete block's error until it completes)."""
+        if self.mode != "packed":
+            return
+        for tensor, spec in (("key", self.key), ("value", self.value)):
+            chain = self.residual(tensor)
+            if chain is None or spec.axis != "channel" or spec.is_identity:
+                continue
+            window = self.residual_length or spec.group_size
+            if window % chain.block:
+                raise QuantConfigError(
+                    f"{tensor}_residual={','.join(getattr(self, f'{tensor}_residual'))} stores blocks of {chain.block} "
+                    f"tokens, but per-channel {tensor}s are flushed {window} at a time "
+                    f"(residual_length={self.residual_length}, group_size={spec.group_size}): make residual_length "
+                    f"a multiple of {chain.block}"
+                )
 
     def _check_recompute(self) -> None:
         """mode=recompute: one tensor (X) under the key quantizer, no transforms; `recompute_rank` >= 1 or None."""

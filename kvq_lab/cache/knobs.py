@@ -105,12 +105,14 @@ class CacheKnobs:
     value_outliers: Any = knob(0.0, row="key_outliers")
     residual: Any = knob(
         None,
-        "corrections of the quantization error, stored per token beside the codes and counted in `nbytes()` (not "
+        "corrections of the quantization error, stored beside the codes and counted in `nbytes()` (not "
         "the fp window, `residual_length`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
         "plus its fp16 norm, rebuilt so that inner products are unbiased; `qjl:<m>:<seed>`; TurboQuant's `_prod` "
         "stage: `quant=turboquant_prod_3b`; on KIVI's keys: `quant=qjl_keys`), `sparse:<frac>` (the largest "
-        "errors of each vector as fp16 values and channel indices; GEAR's "
-        "sparse term); a list composes in order, e.g. `key_residual=[sparse:0.01,qjl:64]`. `residual` sets both",
+        "errors of each vector as fp16 values and channel indices; GEAR's sparse term), `lowrank:<r>[:<n>]` (the "
+        "rank-r SVD of each kv head's error over blocks of n tokens, default 32, as two fp16 factors; GEAR's "
+        "low-rank term: `quant=gear_2b`, `quant=gear_4b`); a list composes in order, e.g. "
+        "`key_residual=[sparse:0.01,qjl:64]`. `residual` sets both",
     )
     key_residual: Any = knob(None, row="residual")
     value_residual: Any = knob(None, row="residual")

@@ -15,6 +15,8 @@ reproduces it token by token).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvq_lab.quant.outliers import Outliers, fake_quant
@@ -42,8 +44,12 @@ class FakeQuantStream:
         self.spec = spec
         self.sink = sink_tokens
         self.outliers = outliers  # dense-and-sparse: these elements stay exact (kvq_lab.quant.outliers)
-        self.residual = residual  # corrections of the error, per token (kvq_lab.quant.residuals)
+        self.residual = residual  # corrections of the error (kvq_lab.quant.residuals)
         self.keep_final = keep_final
+        # tokens become final in whole units: a per-channel group, and a residual correction's block (an open one
+        # is recomputed as tokens join it, as an open per-channel group is)
+        group = 1 if spec.axis == "token" else spec.group_size
+        self.final_unit = math.lcm(group, 1 if residual is None else residual.block)
         self.final: torch.Tensor | None = None  # dequantized positions [sink, sink + done) (with keep_final)
         self.done = 0  # tokens after the sinks in whole groups: final, never recomputed
         self.seen = 0  # tokens given to the previous call
@@ -60,7 +66,7 @@ class FakeQuantStream:
         new = exact[..., start:, :]
         deq = fake_quant(new, self.spec, self.outliers, partial="zero", residual=self.residual)
         n = new.shape[-2]
-        keep = n if self.spec.axis == "token" else n // self.spec.group_size * self.spec.group_size
+        keep = n // self.final_unit * self.final_unit
         parts = [exact[..., lo : self.sink, :]] if lo < self.sink else []
         if lo < start and self.final is not None:  # only a first call after `view` asks for what is final
             parts.append(self.final[..., max(lo - self.sink, 0) :, :])

@@ -7,7 +7,7 @@ import torch
 from kvq_lab.quant.outliers import Outliers
 from kvq_lab.quant.pack import BLOCK, word_dtype, word_layout
 from kvq_lab.quant.reference import code_format, fake_quant
-from kvq_lab.quant.residuals import Chain
+from kvq_lab.quant.residuals import Chain, open_error
 from kvq_lab.quant.spec import QuantSpec
 
 
@@ -34,9 +34,11 @@ class PackedStore:
         ((b * H + h) * T_max + t) * D + d (T_max = 2^31 // (B * H * D)); `dequantize` puts them back.
         The same mask and quantizer call as simulated mode (`kvq_lab.quant.outliers.fake_quant`).
     residual (`kvq_lab.quant.residuals.Chain`, or None): corrections of the error each written token's codes leave
-        (r = x - deq(x), 0 at outliers and padding), stored as `res` uint8 [B, H, n_blocks * BLOCK, token_bytes(D)]
-        (exactly the bytes the method stores, allocated in whole blocks like the codes); `dequantize` adds their
-        rebuild, as simulated mode does.
+        (r = x - deq(x), 0 at outliers and padding), stored as `res` uint8 [B, H, units, unit_bytes(D)], one unit per
+        `residual.block` positions (exactly the bytes the method stores, allocated as the codes grow); a unit not yet
+        complete keeps its positions' error as fp16 in `pending` [B, H, k, D] (positions [pending_at, pending_at + k);
+        GEAR's streaming buffer, counted by `nbytes`) until the writes complete it. `dequantize` adds the rebuild, and
+        the pending fp16 error, as simulated mode does.
     """
 
     def __init__(self, spec: QuantSpec, backend, outliers: Outliers | None = None, residual: Chain | None = None):
@@ -44,6 +46,8 @@ class PackedStore:
         self.outliers = outliers
         self.residual = residual
         self.res: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None  # fp16 error of an incomplete residual unit (block corrections)
+        self.pending_at = 0
         self.out_val: torch.Tensor | None = None
         self.out_idx: torch.Tensor | None = None
         self.format = code_format(spec)
@@ -83,12 +87,13 @@ class PackedStore:
             self.zero = like.new_zeros(B, H, 0, p_last, dtype=fmt.stored_dtype("zero")) if has_zero else None
             self.table = None if fmt.codes_are_values else fmt.table(like.device)
             if self.residual is not None:
-                self.res = like.new_zeros(B, H, 0, self.residual.token_bytes(D), dtype=torch.uint8)
+                self.res = like.new_zeros(B, H, 0, self.residual.unit_bytes(D), dtype=torch.uint8)
         if rows > self.codes.shape[2]:
             self.generation += 1
             self.codes = torch.cat([self.codes, self.codes.new_zeros(B, H, rows - self.codes.shape[2], D)], 2)
-        if self.res is not None and blocks * BLOCK > self.res.shape[2]:
-            extra = self.res.new_zeros(B, H, blocks * BLOCK - self.res.shape[2], self.res.shape[3])
+        units = -(-blocks * BLOCK // self.residual.block) if self.res is not None else 0
+        if self.res is not None and units > self.res.shape[2]:
+            extra = self.res.new_zeros(B, H, units - self.res.shape[2], self.res.shape[3])
             self.res = torch.cat([self.res, extra], 2)
         n_par = blocks * BLOCK if self.spec.axis == "token" else -(-n_tokens // G)
         if n_par > self.scale.shape[2]:
@@ -135,7 +140,24 @@ class PackedStore:
         if valid is not None:
             v = valid.to(torch.bool)
             r = torch.where(v if v.dim() == 4 else v[..., None], r, 0.0)
-        self.res[rows, :, t0 : t0 + x.shape[2]] = self.residual.encode(r)[0]
+        n = self.residual.block
+        if self.pending is not None:  # the writes continue an incomplete unit: complete it first
+            if rows != slice(None) or t0 != self.pending_at + self.pending.shape[2]:
+                raise ValueError(
+                    f"positions [{t0}, {t0 + x.shape[2]}) do not continue the incomplete residual unit at "
+                    f"{self.pending_at} for every row"
+                )
+            r, t0 = torch.cat([self.pending.float(), r], 2), self.pending_at
+            self.pending = None
+        if t0 % n:
+            raise ValueError(f"residual units of {n} tokens start at multiples of {n}; got a write at {t0}")
+        whole = r.shape[2] // n * n
+        if whole:
+            self.res[rows, :, t0 // n : (t0 + whole) // n] = self.residual.encode(r[:, :, :whole])[0]
+        if whole < r.shape[2]:
+            if rows != slice(None):
+                raise ValueError(f"a write to some rows must fill whole residual units of {n} tokens")
+            self.pending, self.pending_at = open_error(r[:, :, whole:]).to(torch.float16), t0 + whole
 
     def _keep_outliers(self, x: torch.Tensor, mask: torch.Tensor, t0: int, rows: slice) -> None:
         """Append the elements of x [b, H, n, D] under mask (same shape) to the sparse store, exactly (x's dtype)."""
@@ -196,7 +218,7 @@ class PackedStore:
             return torch.zeros(*self.dims[:2], 0, self.dims[2], device=self.device)
         deq = self.backend.dequantize(self.codes, *self.read_params(), self.spec, n)
         if self.res is not None:
-            deq = deq + self.residual.decode(self.res[:, :, :n], self.dims[2])
+            deq = deq + self._correction(n)
         if self.out_idx is not None and self.out_idx.numel():
             B, H, D = self.dims
             t_max = (2**31 - 1) // (B * H * D)
@@ -206,6 +228,20 @@ class PackedStore:
             sel = t < n
             deq[bh[sel] // H, bh[sel] % H, t[sel], d[sel]] = self.out_val[sel].to(deq.dtype)
         return deq
+
+    def _correction(self, n: int) -> torch.Tensor:
+        """fp32 [B, H, n, D]: the residual corrections of positions [0, n): the stored units' rebuild, the pending
+        error where a unit is incomplete, 0 where nothing was written."""
+        blk = self.residual.block
+        done = self.pending_at if self.pending is not None else self.length // blk * blk
+        units = min(-(-n // blk), done // blk)
+        corr = self.residual.decode(self.res[:, :, :units], self.dims[2])[:, :, :n]
+        if corr.shape[2] < n:
+            corr = torch.cat([corr, corr.new_zeros(*corr.shape[:2], n - corr.shape[2], corr.shape[3])], 2)
+        if self.pending is not None and self.pending_at < n:
+            k = min(n, self.pending_at + self.pending.shape[2]) - self.pending_at
+            corr[:, :, self.pending_at : self.pending_at + k] = self.pending[:, :, :k].float()
+        return corr
 
     def read_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(scale, zero) as the formula and the kernels read them: the stored tensors for fp16 parameters, else the
@@ -219,10 +255,11 @@ class PackedStore:
     def nbytes(self) -> int:
         """Codes and parameters as stored (at their encodings' widths), plus what the format keeps once per tensor
         (`format.table_bytes`: lut's codebook, nvfp4's fp32 tensor scale; int and fp8 tables are fixed by the
-        format's name and width), sparse outliers and residual corrections."""
+        format's name and width), sparse outliers and residual corrections (with an incomplete unit's fp16 error)."""
         table = self.format.table_bytes if self.codes is not None else 0
         sparse = tensor_bytes(self.out_val) + tensor_bytes(self.out_idx)  # value (model dtype) + int32 index
-        return sum(tensor_bytes(t) for t in (self.codes, self.scale, self.zero, self.res)) + table + sparse
+        kept = (self.codes, self.scale, self.zero, self.res, self.pending)
+        return sum(tensor_bytes(t) for t in kept) + table + sparse
 
 
 def tensor_bytes(t: torch.Tensor | None) -> int:

@@ -39,17 +39,20 @@ def data(B, H, T, D, seed):
 
 @pytest.mark.parametrize("name", CASES)
 def test_encoding_is_what_decoding_reads(name):
-    """Bytes of the declared size, a round trip through the spelling, a correction that depends on the stored bytes
-    alone (decode(encode(r)) is what the chain returns), and a zero residual rebuilt as zero."""
+    """Bytes of the declared size per unit of `block` tokens, a round trip through the spelling, a correction that
+    depends on the stored bytes alone (decode(encode(r)) is what the chain returns), and a zero residual (one unit)
+    rebuilt as zero."""
     c = RESIDUALS[name].example()
     assert get_residual(c.spelling) == c and check_residuals([c.spelling], "key_residual") == (c.spelling,)
+    n = c.block
     for D in (64, 128):
-        r = data(2, 3, 17, D, 1)
+        r = data(2, 3, 17 * n, D, 1)
+        r[:, :, 8 * n : 9 * n] = 0.0
         stored = c.encode(r)
-        assert stored.dtype == torch.uint8 and stored.shape == (2, 3, 17, c.token_bytes(D))
+        assert stored.dtype == torch.uint8 and stored.shape == (2, 3, 17, c.unit_bytes(D))
         back = c.decode(stored, D)
         assert back.shape == r.shape and back.dtype == torch.float32
-        assert torch.equal(back[:, :, 17 // 2], torch.zeros(2, 3, D))
+        assert torch.equal(back[:, :, 8 * n : 9 * n], torch.zeros(2, 3, n, D))
         chain = Chain((c,))
         st, corr = chain.encode(r)
         assert torch.equal(st, stored) and torch.equal(corr, back) and torch.equal(chain.decode(st, D), corr)
@@ -62,7 +65,7 @@ def test_a_chain_encodes_what_the_previous_ones_left():
     st, corr = chain.encode(r)
     first = Sparse(0.05).decode(Sparse(0.05).encode(r), 64)
     second = QJL(64).decode(QJL(64).encode(r - first), 64)
-    assert st.shape[-1] == Sparse(0.05).token_bytes(64) + QJL(64).token_bytes(64) == 9 + 10
+    assert st.shape[-1] == Sparse(0.05).unit_bytes(64) + QJL(64).unit_bytes(64) == 9 + 10
     assert torch.equal(corr, first + second) and torch.equal(chain.decode(st, 64), corr)
 
 
@@ -108,7 +111,7 @@ def test_sparse_hand_case():
     want = torch.zeros(1, 64)
     want[0, [5, 9]] = torch.tensor([-3.0, 2.0])
     assert torch.equal(got, want)
-    assert Sparse(0.03).token_bytes(64) == 2 * 3 and Sparse(0.03).token_bytes(512) == Sparse(0.03).k(512) * 4
+    assert Sparse(0.03).unit_bytes(64) == 2 * 3 and Sparse(0.03).unit_bytes(512) == Sparse(0.03).k(512) * 4
 
 
 def _configs(name, S, mode, **kw):
@@ -122,8 +125,8 @@ def _configs(name, S, mode, **kw):
 def test_packed_reads_back_what_simulated_mode_computes(name, S):
     """With R = 0 both modes quantize the same tokens with the same groups: the packed store's codes plus stored
     corrections read back simulated mode's values bit for bit (every per-token and whole per-channel group), its bytes
-    are the layout's arithmetic plus token_bytes per stored token, decode attention over its view matches SDPA over
-    the materialized cache, and without the correction the values differ."""
+    are the layout's arithmetic plus the correction's units (and an incomplete unit's fp16 error), decode attention
+    over its view matches SDPA over the materialized cache, and without the correction the values differ."""
     k, v = data(1, 2, 140, 64, 3), data(1, 2, 140, 64, 4)
     sim = SimulatedLayer(_configs(name, S, "simulated"), None, PaddingState())
     pk = PackedLayer(_configs(name, S, "packed", backend="auto"), None, PaddingState())
@@ -145,7 +148,9 @@ def test_packed_reads_back_what_simulated_mode_computes(name, S):
     for st, s in ((pk.k_stream.store, pk.cfg.key), (pk.v_stream.store, pk.cfg.value)):
         n = padded_tokens(st.length) if s.axis == "token" else st.length
         arithmetic = 2 * tensor_nbytes(code_format(s), 32, s.axis, n, 64)
-        assert st.nbytes() == arithmetic + 2 * padded_tokens(st.length) * chain.token_bytes(64)
+        units = -(-padded_tokens(st.length) // chain.block)
+        pending = st.length % chain.block if s.axis == "token" else 0
+        assert st.nbytes() == arithmetic + 2 * (units * chain.unit_bytes(64) + pending * 64 * 2)
     q = torch.randn(1, 4, 1, 64, generator=torch.Generator().manual_seed(5))
     want = F.scaled_dot_product_attention(q, K, V, scale=0.125, enable_gqa=True).transpose(1, 2)
     got = decode_attention_torch(pk.decode_view(), q, None, 0.125)
@@ -178,12 +183,45 @@ def test_bits_count_the_corrections():
     assert tensor_bits(c, "value", 1024, 3, 64) == pytest.approx(3 + 1.125)
 
 
+def test_lowrank_hand_case():
+    """A rank-1 error is rebuilt to fp16 precision by lowrank:1 and not by a rank-1 fit of noise; a block's factors
+    cost 2 r (n + D) bytes; the tokens of an open block are read with their fp16 error (GEAR's buffer) and counted at
+    16 bits; a rank not below the head dim fails in one line."""
+    from kvq_lab.quant.residuals.lowrank import LowRank
+
+    g = torch.Generator().manual_seed(9)
+    u, v = torch.randn(1, 1, 64, 1, generator=g), torch.randn(1, 1, 1, 64, generator=g)
+    r = u * v  # [1, 1, 64, 64], rank 1: two blocks of 32 tokens
+    c = LowRank(1, 32)
+    assert c.unit_bytes(64) == 2 * (32 + 64) and c.encode(r).shape == (1, 1, 2, 192)
+    torch.testing.assert_close(c.decode(c.encode(r), 64), r, rtol=0, atol=2e-3 * r.abs().max().item())
+    noise = torch.randn(1, 1, 64, 64, generator=g)
+    assert (c.decode(c.encode(noise), 64) - noise).norm() > 0.5 * noise.norm()
+    chain = build_chain(("lowrank:1",))
+    corr = chain.correction(r[:, :, :40])  # one whole block, 8 tokens of an open one
+    assert torch.equal(corr[:, :, 32:], r[:, :, 32:40].half().float())
+    assert torch.equal(corr[:, :, :32], chain.correction(r[:, :, :32]))
+    cfg = cache_config({"key_residual": "lowrank:1"})
+    assert tensor_bits(cfg, "key", 1024, 3, 64) == pytest.approx(3 + 0.75)
+    assert tensor_bits(cfg, "key", 1000, 3, 64) == pytest.approx(3 + (992 * 0.75 + 8 * 16) / 1000)
+    with pytest.raises(QuantConfigError) as e:
+        cache_config({"value_residual": "lowrank:64:128"}).check_head_dim(64)
+    assert "rank 64 is not below the head dim 64" in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "knobs, message",
     [
         ({"key_residual": "qjl:60"}, "key_residual=qjl:60 needs the sketch size m, a multiple of 8"),
         ({"residual": "sparse:0.5"}, "residual=sparse:0.5 needs the fraction kept, in (0, 0.5)"),
-        ({"key_residual": "lowrank"}, "key_residual='lowrank' is not a registered residual correction"),
+        ({"key_residual": "svd:4"}, "key_residual='svd:4' is not a registered residual correction"),
+        ({"key_residual": "lowrank"}, "key_residual=lowrank needs a rank r >= 1"),
+        ({"value_residual": "lowrank:64:64"}, "value_residual=lowrank:64:64 needs a rank r >= 1"),
+        (
+            {"mode": "packed", "residual_length": 32, "key_residual": "lowrank:2:64"},
+            "per-channel keys are flushed 32 at a time (residual_length=32, group_size=32): make residual_length a "
+            "multiple of 64",
+        ),
         ({"key_residual": "qjl:64", "key_bits": 16}, "keys are not quantized (key_bits=16): unset key_residual"),
         ({"value_residual": ["qjl:64", "sparse:0.1", "sparse:0.1"]}, "value_residual lists sparse:0.1 twice"),
         ({"residual": "qjl:64", "key_residual": "qjl:32"}, "residual=qjl:64 and key_residual=qjl:32 disagree"),

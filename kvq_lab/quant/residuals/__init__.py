@@ -10,10 +10,16 @@ computes (QJL's unbiased inner-product estimator included, since it is linear in
 Corrections compose (`key_residual=[sparse:0.01,qjl:64]`): each one encodes what the ones before it left,
 r_1 = r, r_{i+1} = r_i - r^_i, and x'' = x' + sum_i r^_i.
 
-Every correction here is per token vector, so it depends on the token alone and every mode (simulated, packed, the
-probes) computes the same bits: the packed cache stores `token_bytes(D)` bytes per token and kv head (`encode`'s raw
-bytes, exactly what the method stores: sign bits, an fp16 norm, fp16 values and channel indices), and the byte
-accounting counts them.
+A correction is stored in units of `block` consecutive quantized tokens of one kv head: `unit_bytes(D)` bytes per
+unit (`encode`'s raw bytes, exactly what the method stores: sign bits, an fp16 norm, fp16 values and channel
+indices, low-rank factors). Most corrections are per token vector (`block` = 1), so they depend on the token alone.
+A block correction (`lowrank`: GEAR's low-rank term, fitted to a block of tokens at once) can only be stored once
+its block is complete: until then the tokens of the open block keep their error as fp16 and are read as
+deq(x) + fp16(r), i.e. at about the precision of the model (GEAR's streaming buffer; the byte accounting counts that
+buffer at 16 bits per element), and the completed block is encoded from that fp16 error (in every mode, so that a
+block completed over several writes and one encoded at once store the same bytes). Blocks start at the first quantized
+token (after the sinks). Every mode (simulated, packed, the probes) computes the same bits: the packed cache stores the
+units and the open block's fp16 error, and the byte accounting counts them.
 
 Spelling (the run config's `key_residual` / `value_residual`, `residual` for both): `name:arg`, a list composes in
 order; `none` (default) stores nothing. This registry imports neither torch nor its plugins (config validation reads
@@ -26,15 +32,18 @@ Registered corrections:
     sparse:<frac>  the round(frac * D) largest |r| of each vector kept as fp16 values with their channel indices
                    (GEAR's sparse term, on the residual; `*_outliers` is the other reading, outliers kept out of the
                    groups before quantization)
+    lowrank:<r>[:<n>]  GEAR's low-rank term (Kang et al., arXiv 2403.05527): the rank-r truncated SVD of each kv
+                   head's error over blocks of n tokens (default 32), two fp16 factors per block
 
 Adding a correction: one file `kvq_lab/quant/residuals/<name>.py` with a frozen dataclass registered by
-`@register_residual("<name>")` implementing `parse`, `token_bytes`, `encode`, `decode` (and `check_head_dim` where a
-head dim can be wrong for it), and one import line in `residuals/builtin.py`; `tests/quant/test_residuals.py` iterates
-`RESIDUALS` (`example()` gives an instance to test).
+`@register_residual("<name>")` implementing `parse`, `unit_bytes`, `encode`, `decode` (`block` where a unit is more than
+one token; `check_head_dim` where a head dim can be wrong for it), and one import line in `residuals/builtin.py`;
+`tests/quant/test_residuals.py` iterates `RESIDUALS` (`example()` gives an instance to test).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -81,17 +90,28 @@ class Residual(ABC):
     def check_head_dim(self, head_dim: int) -> None:  # noqa: B027  (most act on any head dim)
         """Raise a one-line QuantConfigError if the correction cannot act on vectors of `head_dim` channels."""
 
+    @property
+    def block(self) -> int:
+        """Consecutive tokens one stored unit covers (1: a per-token correction)."""
+        return 1
+
     @abstractmethod
-    def token_bytes(self, head_dim: int) -> int:
-        """Bytes stored per token vector of `head_dim` channels (one kv head)."""
+    def unit_bytes(self, head_dim: int) -> int:
+        """Bytes stored per unit (`block` token vectors of `head_dim` channels, one kv head)."""
+
+    def token_bytes(self, head_dim: int) -> float:
+        """Bytes stored per token vector, on average over a unit."""
+        return self.unit_bytes(head_dim) / self.block
 
     @abstractmethod
     def encode(self, r: torch.Tensor) -> torch.Tensor:
-        """r fp32 [..., D] -> uint8 [..., token_bytes(D)]: exactly what the method stores."""
+        """r fp32 [..., T, D] (T a multiple of `block`) -> uint8 [..., T / block, unit_bytes(D)]: exactly what the
+        method stores."""
 
     @abstractmethod
     def decode(self, stored: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """uint8 [..., token_bytes(D)] -> fp32 [..., D], the rebuild r^ added to the dequantized vector."""
+        """uint8 [..., U, unit_bytes(D)] -> fp32 [..., U * block, D], the rebuild r^ added to the dequantized
+        vectors."""
 
 
 def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,36 +181,68 @@ def check_head_dim(spellings: tuple[str, ...], head_dim: int, knob: str) -> None
 
 @dataclass(frozen=True)
 class Chain:
-    """Corrections applied in order, each to what the ones before left (module docstring). Vectors [..., D]."""
+    """Corrections applied in order, each to what the ones before left (module docstring). Vectors [..., T, D].
+
+    Stored in units of `block` tokens (the least common multiple of the members' blocks): a unit's bytes are each
+    member's bytes for those tokens, in order."""
 
     residuals: tuple[Residual, ...]
 
-    def token_bytes(self, head_dim: int) -> int:
-        return sum(r.token_bytes(head_dim) for r in self.residuals)
+    @property
+    def block(self) -> int:
+        return math.lcm(*(r.block for r in self.residuals))
+
+    def unit_bytes(self, head_dim: int) -> int:
+        return sum(self.block // r.block * r.unit_bytes(head_dim) for r in self.residuals)
+
+    def token_bytes(self, head_dim: int) -> float:
+        return self.unit_bytes(head_dim) / self.block
 
     def encode(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """r fp32 [..., D] -> (stored uint8 [..., token_bytes(D)], the correction r^ fp32 [..., D] it decodes to)."""
+        """r fp32 [..., T, D] (T a multiple of `block`) -> (stored uint8 [..., T / block, unit_bytes(D)], the
+        correction r^ fp32 [..., T, D] it decodes to)."""
         import torch
 
-        D, parts, total = r.shape[-1], [], torch.zeros_like(r)
+        T, D, n = r.shape[-2], r.shape[-1], self.block
+        if T % n:
+            raise ValueError(f"a correction in units of {n} tokens encodes whole units; got {T} tokens")
+        if n > 1:  # a block's error is held in fp16 until the block completes (module docstring): fit to that
+            r = open_error(r)
+        parts, total = [], torch.zeros_like(r)
         for c in self.residuals:
             b = c.encode(r - total)
-            parts.append(b)
+            parts.append(b.reshape(*b.shape[:-2], T // n, n // c.block * b.shape[-1]))
             total = total + c.decode(b, D)
         return torch.cat(parts, -1), total
 
     def decode(self, stored: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """stored uint8 [..., token_bytes(D)] -> the correction fp32 [..., D] (the same sum `encode` returned)."""
-        out, at = None, 0
+        """stored uint8 [..., U, unit_bytes(D)] -> the correction fp32 [..., U * block, D] (the sum `encode`
+        returned)."""
+        out, at, n = None, 0, self.block
         for c in self.residuals:
-            n = c.token_bytes(head_dim)
-            part = c.decode(stored[..., at : at + n], head_dim)
-            out, at = part if out is None else out + part, at + n
+            per, ub = n // c.block, c.unit_bytes(head_dim)  # the member's units in one of the chain's, their bytes
+            own = stored[..., at : at + per * ub]
+            part = c.decode(own.reshape(*own.shape[:-2], own.shape[-2] * per, ub), head_dim)
+            out, at = part if out is None else out + part, at + per * ub
         return out
 
     def correction(self, r: torch.Tensor) -> torch.Tensor:
-        """r fp32 [..., D] -> r^ fp32 [..., D]: what the stored bytes rebuild (`encode`'s second result)."""
-        return self.encode(r)[1]
+        """r fp32 [..., T, D] (any T) -> r^ fp32 [..., T, D]: what the stored bytes rebuild (`encode`'s second
+        result) for the whole units, and the fp16 error itself for the open unit's last T mod block tokens."""
+        import torch
+
+        whole = r.shape[-2] // self.block * self.block
+        if whole == r.shape[-2]:
+            return self.encode(r)[1]
+        open_ = open_error(r[..., whole:, :])
+        return torch.cat([self.encode(r[..., :whole, :])[1], open_], -2) if whole else open_
+
+
+def open_error(r: torch.Tensor) -> torch.Tensor:
+    """The error of an open unit's tokens as it is held until the unit completes: fp16, read back as fp32."""
+    import torch
+
+    return r.clamp(-65504.0, 65504.0).to(torch.float16).float()
 
 
 def build_chain(spellings: tuple[str, ...]) -> Chain | None:

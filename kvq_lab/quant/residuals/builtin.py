@@ -3,4 +3,4 @@
 The one place that knows the plugins: a new correction adds its import here.
 """
 
-from kvq_lab.quant.residuals import qjl, sparse  # noqa: F401  (registration)
+from kvq_lab.quant.residuals import lowrank, qjl, sparse  # noqa: F401  (registration)

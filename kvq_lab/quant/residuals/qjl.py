@@ -77,7 +77,7 @@ class QJL(Residual):
     def spelling(self) -> str:
         return f"qjl:{self.m}" if self.seed == 0 else f"qjl:{self.m}:{self.seed}"
 
-    def token_bytes(self, head_dim: int) -> int:
+    def unit_bytes(self, head_dim: int) -> int:
         return self.m // 8 + 2
 
     def _s(self, D: int, device) -> torch.Tensor:

@@ -52,7 +52,7 @@ class Sparse(Residual):
     def index_bytes(D: int) -> int:
         return 1 if D <= 256 else 2
 
-    def token_bytes(self, head_dim: int) -> int:
+    def unit_bytes(self, head_dim: int) -> int:
         return self.k(head_dim) * (2 + self.index_bytes(head_dim))
 
     def encode(self, r):
