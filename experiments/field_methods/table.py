@@ -4,8 +4,9 @@ One row per cache (its label): stored bits per element of everything it keeps (`
 task's KL(16-bit || cache) mean and p99 and top-1 agreement (4 CoQA windows x 256 decoded tokens), each row's KL minus
 KIVI int2's paired over decode positions (per-position means over the windows; the standard error from 16 blocks of
 16 consecutive positions, so that neighbouring positions' correlation does not shrink it), decode perplexity, and
-passkey / needle retrieval accuracy at 4K and 8K tokens. Then the paired contrasts that answer the study's three
-questions. Per row and task the newest completed record from a clean tree wins. Writes table.md and pareto.png here.
+passkey / needle retrieval accuracy at 4K and 8K tokens, CoQA-turns F1 (first 100 turns). Then the paired contrasts
+that answer the study's three questions, and GEAR's. Per row and task the newest completed record from a clean tree
+wins. Writes table.md and pareto.png here.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ NAMES = {  # cache label -> the row's name
     "Kfp8e4m3-C32_Vfp8e4m3-T32_sim": "FP8 E4M3 K-C/V-T",
     "Knvfp4-T16_Vnvfp4-T16_sim": "NVFP4 (G16, E4M3 scales + fp32 tensor scale)",
     "Kmxfp4-T32_Vmxfp4-T32_sim": "MXFP4 (G32, E8M0 scales)",
+    "K2b-C32_V2b-T32_sim_Kout0.02_Vout0.02_Klowrank1_Vlowrank1": "GEAR 2b (int2 + 2% outliers + rank-1 error)",
+    "K4b-C32_V4b-T32_sim_Kout0.02_Vout0.02_Klowrank1_Vlowrank1": "GEAR 4b (int4 + 2% outliers + rank-1 error)",
 }
+GEAR2 = "K2b-C32_V2b-T32_sim_Kout0.02_Vout0.02_Klowrank1_Vlowrank1"
+GEAR4 = "K4b-C32_V4b-T32_sim_Kout0.02_Vout0.02_Klowrank1_Vlowrank1"
 
 QUESTIONS = {  # question -> (a, b) pairs: b minus a
     "1. QJL residual vs the same bit on the MSE stage": [
@@ -66,6 +71,14 @@ QUESTIONS = {  # question -> (a, b) pairs: b minus a
         ("Kq40-T32_Vq40-T32_sim", "Knvfp4-T16_Vnvfp4-T16_sim"),
         ("Kfp8e4m3-C32_Vfp8e4m3-T32_sim", "Knvfp4-T16_Vnvfp4-T16_sim"),
         ("Kmxfp4-T32_Vmxfp4-T32_sim", "Knvfp4-T16_Vnvfp4-T16_sim"),
+    ],
+    "4. GEAR vs KIVI and KVQuant": [
+        ("K2b-C32_V2b-T32_sim", GEAR2),
+        ("K3b-C32_V3b-T32_sim", GEAR2),
+        ("Knuq3b-C32_Vnuq3b-T32_sim_preRoPE_Kout0.01_Vout0.01", GEAR2),
+        ("K4b-C32_V4b-T32_sim", GEAR2),
+        ("K4b-C32_V4b-T32_sim", GEAR4),
+        ("Kq51-T32_Vq51-T32_sim", GEAR4),
     ],
 }
 
@@ -101,6 +114,8 @@ def collect() -> dict[str, dict]:
             row["git"] = r["env"]["git"]
         if "ppl/ppl" in m:
             row["ppl"] = m["ppl/ppl"]
+        if "coqa_turns/f1" in m:
+            row.update(coqa_f1=m["coqa_turns/f1"], coqa_n=m["coqa_turns/n"])
         if "retrieval/acc" in m:
             row[f"{task['kind']}{int(task['context_tokens']) // 1024}K"] = m["retrieval/acc"]
     return rows
@@ -117,8 +132,8 @@ def main() -> None:
     lines = [
         "| row | stored bits/elem | KL mean | KL p99 | top-1 agree | KL - KIVI int2, paired ± SE | decode ppl | "
         + " | ".join(f"{k} (%)" for k in retrieval)
-        + " |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(retrieval),
+        + " | CoQA-turns F1 (n) |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(retrieval) + "---|",
     ]
     for label in sorted(rows, key=lambda x: order.index(x) if x in order else len(order)):
         row = rows[label]
@@ -131,9 +146,10 @@ def main() -> None:
             m, se, _ = block_paired(base, row["kl_pos"])
             diff = f"{m:+.3f} ± {se:.3f}"
         ret = "".join(f" {f(k, '.0f')} |" for k in retrieval)
+        coqa = f"{row['coqa_f1']:.1f} ({row['coqa_n']})" if "coqa_f1" in row else "-"
         lines.append(
             f"| {NAMES.get(label, label)} | {f('total', '.3f')} | {f('kl', '.3f')} | {f('p99', '.2f')} | "
-            f"{f('top1', '.3f')} | {diff} | {f('ppl', '.2f')} |{ret}"
+            f"{f('top1', '.3f')} | {diff} | {f('ppl', '.2f')} |{ret} {coqa} |"
         )
     for q, pairs in QUESTIONS.items():
         lines += ["", f"{q} (b - a; KL paired over decode positions ± SE; top-1 agreement difference):", ""]
