@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,29 +183,33 @@ def score(response: str, answer: str) -> bool:
 
 # Exact prefills of the current prompts, shared by the runs of one process (a sweep over caches at one length pays
 # each prefill once): prompt ids -> (K/V per layer [1, H_kv, T, D] each, last-position logits [1, V]). Bounded in
-# bytes; the oldest entries go first.
-_PREFILLS: OrderedDict[tuple, tuple[list, object]] = OrderedDict()
-PREFILL_MEMO_BYTES = 3 * 2**30
+# bytes (SmolLM2 at 8192 tokens: 377 MB a prompt, so 10 prompts fit). When full, a new prompt is computed but not
+# kept: a sweep visits the same prompts in the same order, and least-recently-used eviction would then drop each
+# prompt just before its next use and never hit once the prompts outgrow the bound; keeping the first ones hits
+# for all of them every run.
+_PREFILLS: dict[tuple, tuple[list, object]] = {}
+PREFILL_MEMO_BYTES = 4 * 2**30
+
+
+def _prefill_bytes(entry) -> int:
+    return sum(k.numel() * k.element_size() * 2 for k, _ in entry[0])
 
 
 def exact_prefill(model, ids):
     """ids [1, T] -> (per-layer (keys, values) of an exact DynamicCache prefill, logits [1, V] of the last position);
-    memoized per (model, ids) within the process."""
+    memoized per (model, ids) within the process, up to PREFILL_MEMO_BYTES."""
     from transformers import DynamicCache
 
     from kvq_lab.models.loading import cache_kwarg
 
     key = (id(model), model.name_or_path, tuple(ids[0].tolist()))
     if key in _PREFILLS:
-        _PREFILLS.move_to_end(key)
         return _PREFILLS[key]
     dyn = DynamicCache()
     logits = model(input_ids=ids, **{cache_kwarg(): dyn}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
     out = ([(layer.keys, layer.values) for layer in dyn.layers], logits)
-    _PREFILLS[key] = out
-    size = lambda e: sum(k.numel() * k.element_size() * 2 for k, _ in e[0])  # noqa: E731
-    while len(_PREFILLS) > 1 and sum(size(e) for e in _PREFILLS.values()) > PREFILL_MEMO_BYTES:
-        _PREFILLS.popitem(last=False)
+    if sum(_prefill_bytes(e) for e in _PREFILLS.values()) + _prefill_bytes(out) <= PREFILL_MEMO_BYTES:
+        _PREFILLS[key] = out
     return out
 
 

@@ -93,6 +93,21 @@ def test_greedy_from_an_exact_prefill_equals_generate(tiny_model, tok):
     assert R.exact_prefill(tiny_model, ids)[1] is logits  # memoized
 
 
+@torch.inference_mode()
+def test_prefill_memo_keeps_hitting_when_a_sweep_outgrows_it(tiny_model, monkeypatch):
+    """Three prompts visited in turn, room for two: the first two stay memoized and hit on every later pass (an
+    LRU memo would evict each prompt just before its next use and never hit)."""
+    monkeypatch.setattr(R, "_PREFILLS", {})
+    prompts = [torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    one = R._prefill_bytes(R.exact_prefill(tiny_model, prompts[0]))
+    R._PREFILLS.clear()
+    monkeypatch.setattr(R, "PREFILL_MEMO_BYTES", 2 * one)
+    first = [R.exact_prefill(tiny_model, p)[1] for p in prompts]
+    again = [R.exact_prefill(tiny_model, p)[1] for p in prompts]
+    assert [a is b for a, b in zip(first, again, strict=True)] == [True, True, False]
+    torch.testing.assert_close(first[2], again[2])  # recomputed, same values
+
+
 def test_retrieval_runs_end_to_end_at_16_bits(tiny_model_dir, data_dir, tmp_path):
     args = tiny_args(tiny_model_dir, tmp_path, data_dir, task="retrieval") + [
         "quant=fp16",
