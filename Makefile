@@ -10,7 +10,7 @@ CHECK := -m "not slow" \
 	--ignore=tests/kernels/test_triton.py --ignore=tests/kernels/test_triton_compile.py \
 	--ignore=tests/kernels/test_cpu_kernel.py
 
-.PHONY: setup run test check lint
+.PHONY: setup run test check lint test-slurm
 setup:
 	@bash scripts/setup.sh
 
@@ -22,6 +22,10 @@ test: setup
 
 check: setup
 	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q -p no:cacheprovider $(CHECK) $(ARGS)
+
+# the SLURM launcher on a local single-node cluster (scripts/slurm_local.sh; installs Debian's slurm-wlm): minutes
+test-slurm: setup
+	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q -m slurm tests/run/test_slurm_cluster.py $(ARGS)
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/lint-imports

@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kvq_lab.run import sweep
+    from kvq_lab.run import slurm, sweep
     from kvq_lab.run.runner import RecordNotWritten, RunFailed, RunInterrupted, run
 
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
@@ -53,10 +53,14 @@ def main(cfg: DictConfig) -> float | None:
         if isinstance(e, RecordNotWritten):
             sweep.note(outcome.get("row_key", ""), "failed", str(e))
         return None
-    except RunInterrupted as e:  # SIGINT/SIGTERM: this row's record says so; a sweep stops here
+    except RunInterrupted as e:  # a stop signal: this row's record says so; a sweep stops here
         where = f" after {e.progress}" if e.progress else ""
+        why = f" ({e.reason})" if e.reason else ""
         rec = f" (record: {e.record})" if e.record else ""
-        print(f"interrupted: {e.signame}{where}; stopping{rec}", file=sys.stderr)
+        print(f"interrupted: {e.signame}{why}{where}; stopping{rec}", file=sys.stderr)
+        if slurm.in_submitit_job():  # one row per job: submitit requeues it, or the job ends with a result
+            slurm.end_interrupted(e.signum, e.previous)
+            return None
         sys.exit(e.exit_code)
     if outcome.get("status"):
         sweep.note(outcome["row_key"], outcome["status"], outcome.get("detail", ""))

@@ -18,6 +18,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """`slurm` tests start a local SLURM cluster and wait out its requeue delays (minutes): they run when asked for
+    (`make test-slurm`, i.e. `-m slurm`), and are skipped, saying so, otherwise."""
+    if "slurm" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="starts a local SLURM cluster and takes minutes: make test-slurm (-m slurm)")
+    for item in items:
+        if "slurm" in item.keywords:
+            item.add_marker(skip)
+
+
 def tiny_llama(
     seed: int = 0,
     layers: int = 2,

@@ -103,28 +103,45 @@ class RecordNotWritten(RunFailed):
 
 
 class RunInterrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt: not an Exception, so nothing swallows it)
-    """SIGINT or SIGTERM arrived during a run; its record says `interrupted` (`record` is the record's path)."""
+    """A signal stopped a run (SIGINT, SIGTERM, or submitit's preemption signal in a submitit job); its record says
+    `interrupted` (`record` is the record's path) with `reason` where SLURM can tell one (time limit, preempted,
+    cancelled). `previous`: the handler the signal had before the run (submitit's checkpoint-and-requeue)."""
 
-    def __init__(self, signame: str, record: Path | None = None, progress: str = ""):
+    def __init__(self, signame: str, record: Path | None = None, progress: str = "", reason: str = "", previous=None):
         super().__init__(signame)
-        self.signame, self.record, self.progress = signame, record, progress
+        self.signame, self.record, self.progress, self.reason = signame, record, progress, reason
+        self.previous = previous
+
+    @property
+    def signum(self) -> int:
+        return int(getattr(signal, self.signame, signal.SIGINT))
 
     @property
     def exit_code(self) -> int:
-        return 128 + int(getattr(signal, self.signame, signal.SIGINT))
+        return 128 + self.signum
+
+
+def stop_signals() -> list[signal.Signals]:
+    """The signals that interrupt a run: SIGINT, SIGTERM, and in a submitit job its preemption signal (SIGUSR2)."""
+    from kvq_lab.run.slurm import preempt_signal
+
+    pre = preempt_signal()
+    return [signal.SIGINT, signal.SIGTERM, *([pre] if pre is not None else [])]
 
 
 @contextmanager
 def _signals_raise():
-    """Within the block, SIGINT and SIGTERM raise RunInterrupted (main thread only: elsewhere Python cannot)."""
+    """Within the block, the stop signals raise RunInterrupted (main thread only: elsewhere Python cannot)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    old = {s: signal.getsignal(s) for s in stop_signals()}
 
     def handler(signum, frame):
-        raise RunInterrupted(signal.Signals(signum).name)
+        raise RunInterrupted(signal.Signals(signum).name, previous=old.get(signum))
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, handler)
     try:
         yield
     finally:
@@ -176,20 +193,28 @@ def run(cfg, sweep: str | None = None, outcome: dict | None = None) -> dict[str,
             return _run(plan, sweep, outcome)
 
 
+def completed_record(plan: RunPlan) -> tuple[dict | None, list[dict]]:
+    """(a completed record of this run: same run key, matching its digest, or None; the completed ones passed over
+    because a dirty git tree made them). None when resume is off or the run key waits for a fit."""
+    if not plan.cfg.resume or not plan.run_key:
+        return None, []
+    from kvq_lab.records.index import query
+
+    row = query(plan.results_dir, {"row_key": plan.row_key, "run_key": plan.run_key}, with_integrity=True)
+    return pick_completed(row, plan.cfg.resume_dirty)
+
+
 def _completed(plan: RunPlan, outcome: dict) -> dict[str, float] | None:
-    """The metrics of a completed record of this run (same run key, matching its digest), printed as a skip; None
-    when there is none, resume is off, or the run key waits for a fit."""
+    """The metrics of a completed record of this run, printed as a skip (`completed_record`); records of the row
+    still `running` are marked died first (the caller holds the row's claim, so they are stale)."""
     if not plan.cfg.resume:
         return None
     from kvq_lab.records.index import query
 
-    row = query(plan.results_dir, {"row_key": plan.row_key}, with_integrity=True)  # every fit of this row
-    for r in row:  # under the row's claim, a record still `running` is stale
+    for r in query(plan.results_dir, {"row_key": plan.row_key}, with_integrity=True):  # every fit of this row
         if r.get("status") == "running":
             mark_died(r)
-    if not plan.run_key:
-        return None
-    done, dirty = pick_completed([r for r in row if r.get("run_key") == plan.run_key], plan.cfg.resume_dirty)
+    done, dirty = completed_record(plan)
     if done is not None:
         print(f"skip: a completed record of this run exists: {done['_path']}")
         print(summary_line(plan, done["metrics"], Path(done["_path"])))
@@ -280,16 +305,20 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("cache/bits")}
             metrics.update(precision.measured_bits(model, plan.cache, n))
     except RunInterrupted as e:
+        from kvq_lab.run.slurm import stop_reason
+
         progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
+        reason = stop_reason(e.signame)
         record.update(
             status="interrupted",
             signal=e.signame,
+            **({"reason": reason} if reason else {}),
             interrupted=datetime.now().isoformat(timespec="seconds"),
             progress=progress,
             timings=timer.t,
         )
         _write_quietly(run_dir / RECORD, record)
-        raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress)) from None
+        raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress), reason, e.previous) from None
     except ConfigError:  # what only the loaded model could tell: rejected like any bad input, nothing left behind
         shutil.rmtree(run_dir, ignore_errors=True)
         raise

@@ -133,7 +133,8 @@ def outcome(row: Row, started: str) -> tuple[str, str]:
         detail = r.get("error", "") if status == "failed" else ""
         if status == "interrupted":
             p = r.get("progress") or {}
-            detail = f"{r.get('signal', '')} after {p.get('done', 0)} {p.get('unit', '')}".strip()
+            why = f" ({r['reason']})" if r.get("reason") else ""
+            detail = f"{r.get('signal', '')}{why} after {p.get('done', 0)} {p.get('unit', '')}".strip()
         where = Path(r["_path"]) / "record.json"
         return status, f"{detail}; {where}" if detail else str(where)
     if row.outcome is not None:

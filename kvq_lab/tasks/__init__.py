@@ -56,12 +56,16 @@ class TaskContext:
     progress: Progress = field(default_factory=Progress)
 
     def counted_caches(self, unit: str = "generate calls") -> Callable[[], Any]:
-        """`make_cache`, counting each cache it makes (one per generate call) as progress, for an interrupted run's
-        record."""
+        """`make_cache`, counting generate calls as progress for an interrupted run's record: one cache per call,
+        so asking for the next cache means the previous call finished (`done` counts finished calls, not started
+        ones; a run that ends normally records no progress)."""
         self.progress.unit = unit
+        made = 0
 
         def make():
-            self.progress.done += 1
+            nonlocal made
+            self.progress.done = made  # the calls before this one have finished
+            made += 1
             return self.make_cache()
 
         return make
