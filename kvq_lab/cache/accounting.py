@@ -58,9 +58,12 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
 
 def stored_bits(cache: CacheConfig, task=None, model_config=None) -> dict[str, float]:
     """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`.
-    `task`: the run's task section (task=ppl: its window length is the sequence length)."""
+    `task`: the run's task section (task=ppl: its window length is the sequence length; protocol=chunks: n_ctx)."""
     t = task or {}
-    n = int(t["context_tokens"]) + int(t["eval_tokens"]) if t.get("name") == "ppl" else DEFAULT_TOKENS
+    if t.get("protocol") == "chunks" and t.get("name") in ("ppl", "fidelity"):  # llama.cpp's chunks: n_ctx each
+        n = int(t["n_ctx"])
+    else:
+        n = int(t["context_tokens"]) + int(t["eval_tokens"]) if t.get("name") == "ppl" else DEFAULT_TOKENS
     heads, head_dim, n_layers = 1, 64, max(1, len(cache.layers))
     if model_config is not None:
         text = model_config.get_text_config(decoder=True)

@@ -8,9 +8,13 @@ it once) and once through the run's cache. At every scored position t (decode st
     KL_t = sum_v p_ref(v) * (log p_ref(v) - log p_q(v))      (KL(reference || quantized), nats)
     top1_t = [argmax p_ref == argmax p_q]
 
-Metrics: `fidelity/kl_mean`, `fidelity/kl_p99` (over all scored tokens), `fidelity/top1_agree` (fraction), the same
-over the first and the last quarter of decode positions (`kl_first`, `kl_last`, `top1_first`, `top1_last`: does the
-error grow with generation length?), and the perplexities of both (`fidelity/ppl`, `fidelity/ref_ppl`). The curve
+Metrics: what `llama-perplexity --kl-divergence` reports, with its definitions (kvq_lab/tasks/kld_stats.py):
+`fidelity/kl_mean` (± `kl_mean_unc`) and the KL percentiles (`kl_max`, `kl_p99_9`, `kl_p99`, ... `kl_median` ...
+`kl_min`), `fidelity/top1_agree` ("same top p", ± its binomial `top1_agree_unc`), the perplexities (`fidelity/ppl`,
+`fidelity/ref_ppl`, each ± `_unc`), `ln_ppl_ratio` ± `ln_ppl_ratio_unc`, `ppl_ratio`, `ppl_diff`, `ln_ppl_cor`,
+and the change in the probability of the true token (`dp_mean` ± `dp_mean_unc`, `dp_<percentile>`, `dp_rms`);
+then KL and top-1 agreement over the first and the last quarter of decode positions (`kl_first`, `kl_last`,
+`top1_first`, `top1_last`: does the error grow with generation length?). The curve
 over decode position (mean over windows, in bins) goes to the record's artifacts and `fidelity_curve.png`.
 
 `task=fidelity` takes the windows, text sources and checks of `task=ppl`; options in conf/task/fidelity.yaml.
@@ -19,7 +23,6 @@ over decode position (mean over windows, in bins) goes to the record's artifacts
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -89,8 +92,50 @@ def save_curve_png(path: Path, positions: list[float], kl: list[float], top1: li
     plt.close(fig)
 
 
+def reference_chunk_logprobs(model, chunks: torch.Tensor, progress=None) -> torch.Tensor:
+    """The 16-bit model's log-probs [C, n_ctx - 1 - first, V] over the scored halves of the chunks protocol (exact
+    attention, no cache), memoized like `reference_logprobs`."""
+    import torch
+
+    from kvq_lab.tasks.chunks import chunk_logprobs
+
+    key = (id(model), model.name_or_path, hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(), "chunks")
+    if key not in _REFERENCE:
+        _REFERENCE.clear()
+        rows = [logp for _, logp, _ in chunk_logprobs(model, lambda: None, chunks, progress, desc="16-bit chunks")]
+        _REFERENCE[key] = torch.stack(rows)
+    return _REFERENCE[key]
+
+
+def run_fidelity_chunks(ctx) -> dict[str, float]:
+    """`task=fidelity task.protocol=chunks`: llama-perplexity --kl-divergence's report on llama.cpp's chunks
+    (kvq_lab/tasks/chunks.py): every scored token of every chunk, the cache's distribution against the 16-bit one."""
+    import torch
+
+    from kvq_lab.tasks.chunks import chunk_logprobs, text_chunks
+    from kvq_lab.tasks.kld_stats import report
+
+    chunks = text_chunks(ctx)
+    ctx.progress.unit, ctx.progress.total = "reference chunks", chunks.shape[0]
+    ref = reference_chunk_logprobs(ctx.model, chunks, ctx.progress)
+    ctx.progress.unit, ctx.progress.done = "chunks", 0
+    kl, agree, nll, ref_nll = [], [], [], []
+    for c, logp, target in chunk_logprobs(ctx.model, ctx.make_cache, chunks, ctx.progress):
+        k, a = compare(ref[c], logp)
+        kl.append(k), agree.append(a)
+        nll.append(-logp.gather(1, target[:, None])[:, 0]), ref_nll.append(-ref[c].gather(1, target[:, None])[:, 0])
+    stats = report(*(torch.cat(x).double().cpu().numpy() for x in (nll, ref_nll, kl)), torch.cat(agree).numpy())
+    return {
+        **{f"fidelity/{k}": v for k, v in stats.items()},
+        "fidelity/n_tokens": int(sum(x.numel() for x in kl)),
+        "fidelity/chunks": int(chunks.shape[0]),
+    }
+
+
 def run_fidelity(ctx) -> dict[str, float]:
     """Task entry point (see the module docstring)."""
+    if str(ctx.cfg.task.get("protocol", "decode")) == "chunks":
+        return run_fidelity_chunks(ctx)
     import torch
     from transformers import DynamicCache
 
@@ -134,16 +179,15 @@ def run_fidelity(ctx) -> dict[str, float]:
         save_curve_png(png, centres, kl_bins, top1_bins, title)
         ctx.artifacts["fidelity_figures"] = [png.name]
         ctx.artifacts["wandb_images"] = {"fidelity/curve": str(png)}
+    from kvq_lab.tasks.kld_stats import report
+
+    stats = report(nll.numpy(), ref_nll.numpy(), kl.numpy(), agree.numpy())  # llama.cpp's --kl-divergence report
     return {
-        "fidelity/kl_mean": float(kl.mean()),
-        "fidelity/kl_p99": float(torch.quantile(kl.flatten().double(), 0.99)),
-        "fidelity/top1_agree": float(agree.float().mean()),
+        **{f"fidelity/{k}": v for k, v in stats.items()},
         "fidelity/kl_first": float(kl[:, :q].mean()),
         "fidelity/kl_last": float(kl[:, -q:].mean()),
         "fidelity/top1_first": float(agree[:, :q].float().mean()),
         "fidelity/top1_last": float(agree[:, -q:].float().mean()),
-        "fidelity/ppl": math.exp(float(nll.mean())),
-        "fidelity/ref_ppl": math.exp(float(ref_nll.mean())),
         "fidelity/n_tokens": int(kl.numel()),
         "fidelity/windows": windows,
     }

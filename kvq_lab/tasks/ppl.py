@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.metric import Metric
+from kvq_lab.tasks.chunks import MIN_N_CTX, PROTOCOLS
 from kvq_lab.tasks.text import OPTIONS as SOURCE_OPTIONS
 from kvq_lab.tasks.text import source_inputs
 
@@ -26,7 +27,8 @@ class PplTask(Task):
     """Teacher-forced decode through the cache over windows of a text; `ppl/ppl` of the scored tokens."""
 
     name = "ppl"
-    options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prefill")
+    options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prefill", "protocol", "n_ctx",
+               "chunks")  # fmt: skip
     data = (COQA_DATA,)  # read only when task.source=coqa_stories
     hub = (COQA_HUB,)
     limit_unit = "windows"
@@ -37,12 +39,17 @@ class PplTask(Task):
 
         coqa = cfg.task.get("source") == "coqa_stories"
         super().check(cfg, data_dir if coqa else None)  # options; the CoQA file only when it is the source
+        protocol = cfg.task.get("protocol")
+        if protocol not in PROTOCOLS:
+            raise ConfigError(f"task.protocol={protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
         try:
             check_options(cfg.task)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         n = _source_tokens(cfg, data_dir)
         t = cfg.task
+        if t.get("protocol") == "chunks":
+            return _check_chunks(t, n, cfg.limit)
         windows = min(t.windows, cfg.limit) if cfg.limit else t.windows
         need = windows * (t.context_tokens + t.eval_tokens)
         if n is not None and n < need:
@@ -56,9 +63,33 @@ class PplTask(Task):
         return source_inputs(cfg.task, data_dir)
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
+        if str(ctx.cfg.task.get("protocol")) == "chunks":
+            from kvq_lab.tasks.chunks import run_chunks_ppl
+
+            return run_chunks_ppl(ctx)
         from kvq_lab.tasks.decode import run_ppl
 
         return run_ppl(ctx)
+
+
+def _check_chunks(t, n: int | None, limit) -> None:
+    """task.protocol=chunks: n_ctx and chunks, and a text of at least 2 * n_ctx tokens (llama.cpp's own bound)."""
+    n_ctx, chunks = t.get("n_ctx"), t.get("chunks")
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < MIN_N_CTX:
+        raise ConfigError(f"task.n_ctx={n_ctx!r} must be an integer >= {MIN_N_CTX} (tokens per chunk)")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ConfigError(f"task.chunks={chunks!r} must be an integer >= 1, or null (all the text holds)")
+    if n is not None and n < 2 * n_ctx:
+        raise ConfigError(
+            f"task.protocol=chunks: the source text ({_describe(t)}) has {n} tokens; llama.cpp's protocol needs at "
+            f"least 2 * task.n_ctx = {2 * n_ctx}: lower task.n_ctx or give a longer text"
+        )
+    want = min(x for x in (chunks, limit) if isinstance(x, int) and not isinstance(x, bool)) if (chunks or limit) else 0
+    if n is not None and want and want > n // n_ctx:
+        raise ConfigError(
+            f"task.protocol=chunks: {want} chunks of {n_ctx} tokens need {want * n_ctx}; the source text has {n} "
+            f"({n // n_ctx} chunks): lower task.chunks (or limit) or task.n_ctx"
+        )
 
 
 def _describe(t) -> str:

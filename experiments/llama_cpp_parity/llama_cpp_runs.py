@@ -1,0 +1,119 @@
+"""llama.cpp's side of the parity study: `llama-perplexity --kl-divergence` on the embedded GGUF and the CoQA stories,
+for every KV cache type, with llama.cpp's Hadamard rotation on and off (LLAMA_ATTN_ROT_DISABLE=1).
+
+    python scripts/llama_cpp.py build                     # once
+    python experiments/llama_cpp_parity/llama_cpp_runs.py [--n-ctx 512 2048] [--threads 1]
+
+Writes llama_cpp/<n_ctx>_<ctk>_<ctv>_<rot|norot>.log here (kept: they are the records of this side) and
+llama_cpp/results.json (one row per run: the statistics its log reports). The 16-bit base logits
+(`--kl-divergence-base`, hundreds of MB) go to a scratch folder, not here. The text is exactly what kvq_lab's
+`task.source=coqa_stories` reads (written to the scratch folder first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+TYPES = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q4_1"), ("q5_0", "q5_0"), ("q5_1", "q5_1"),
+         ("iq4_nl", "iq4_nl"), ("q8_0", "q4_0")]  # fmt: skip
+STATS = {  # log line -> key, as llama.cpp prints them
+    "Mean PPL(Q)": "ppl",
+    "Mean PPL(base)": "ref_ppl",
+    "Mean ln(PPL(Q)/PPL(base))": "ln_ppl_ratio",
+    "Mean    KLD": "kl_mean",
+    "99.0%   KLD": "kl_p99",
+    "Same top p": "top1_agree",
+    "RMS Δp": "dp_rms",
+}
+
+
+def text_file(scratch: Path) -> Path:
+    """The CoQA stories as kvq_lab's task.source=coqa_stories reads them."""
+    sys.path.insert(0, str(REPO))
+    from omegaconf import OmegaConf
+
+    from kvq_lab.tasks.text import source_text
+
+    t = OmegaConf.create({"source": "coqa_stories", "path": None, "dataset": None, "dataset_config": None,
+                          "split": "test", "text_field": "text"})  # fmt: skip
+    data = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
+    out = scratch / "coqa_stories.txt"
+    out.write_text(source_text(t, data))
+    return out
+
+
+def parse(log: str) -> dict[str, float]:
+    """The final statistics of a --kl-divergence log (value, and its ± where printed)."""
+    row: dict[str, float] = {}
+    for line in log.splitlines():
+        for label, key in STATS.items():
+            if line.startswith(label + " ") or line.startswith(label + ":"):
+                value = line.split(":", 1)[1]
+                nums = re.findall(r"[-+]?\d+\.\d+", value)
+                scale = 0.01 if "%" in value else 1.0  # percentages, as kvq_lab's fractions
+                row[key] = float(nums[0]) * scale
+                if len(nums) > 1:
+                    row[key + "_unc"] = float(nums[1]) * scale
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-ctx", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    binary = subprocess.run([sys.executable, str(REPO / "scripts" / "llama_cpp.py"), "path"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    if not binary:
+        print("error: llama-perplexity is not built; run: python scripts/llama_cpp.py build", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(REPO))
+    from kvq_lab.models.loading import embedded_gguf
+
+    gguf = str(embedded_gguf("smollm2-135m"))
+    out_dir = HERE / "llama_cpp"
+    out_dir.mkdir(exist_ok=True)
+    version = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvq_parity_") as tmp:
+        scratch = Path(tmp)
+        text = text_file(scratch)
+        for n_ctx in args.n_ctx:
+            base = scratch / f"base{n_ctx}.kld"
+            common = [binary, "-m", gguf, "-c", str(n_ctx), "-b", str(n_ctx), "-fa", "on", "-t", str(args.threads)]
+            t0 = time.time()
+            subprocess.run([*common, "-f", str(text), "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
+                           check=True, capture_output=True)  # fmt: skip
+            print(f"n_ctx {n_ctx}: base logits in {time.time() - t0:.0f} s", flush=True)
+            for ctk, ctv in TYPES:
+                for rot in (True, False):
+                    if (ctk, ctv) == ("f16", "f16") and not rot:
+                        continue  # llama.cpp rotates only quantized caches: f16 is one run
+                    env = {**os.environ} if rot else {**os.environ, "LLAMA_ATTN_ROT_DISABLE": "1"}
+                    cmd = [*common, "-ctk", ctk, "-ctv", ctv, "--kl-divergence-base", str(base), "--kl-divergence"]
+                    t0 = time.time()
+                    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    name = f"{n_ctx}_{ctk}_{ctv}_{'rot' if rot else 'norot'}"
+                    (out_dir / f"{name}.log").write_text(p.stdout + p.stderr)
+                    row = {"n_ctx": n_ctx, "ctk": ctk, "ctv": ctv, "rotation": rot, **parse(p.stdout + p.stderr)}
+                    rows.append(row)
+                    print(f"{name}: {row.get('ln_ppl_ratio')} KLD {row.get('kl_mean')} ({time.time() - t0:.0f} s)",
+                          flush=True)  # fmt: skip
+    meta = {"binary_version": (version.stdout + version.stderr).strip().splitlines()[-1:], "gguf": Path(gguf).name,
+            "threads": args.threads, "flash_attention": "on", "rows": rows}  # fmt: skip
+    (out_dir / "results.json").write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
