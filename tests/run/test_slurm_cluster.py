@@ -157,36 +157,24 @@ def test_a_row_at_its_time_limit_is_interrupted_not_failed(cluster, data_dir, tm
     assert "Traceback" not in out.stderr
 
 
+STOPS = [  # how a running row is stopped from outside -> its records, oldest first, and the sweep's exit status
+    (["scancel", "--signal=USR2"], [("interrupted", "preempted"), ("ok", "")], 0),  # submitit requeues, rerun ends
+    (["scontrol", "requeue"], [("interrupted", "preempted"), ("ok", "")], 0),  # SIGTERM; SLURM requeues; the host waits
+    (["scancel"], [("interrupted", "cancelled")], 1),  # SIGTERM; the job ends with a result; the summary says so
+]
+
+
 @pytest.mark.slow
-def test_preemption_by_sigusr2_requeues_the_row_which_then_finishes(cluster, data_dir, tmp_path):
+@pytest.mark.parametrize("command, statuses, code", STOPS, ids=["sigusr2-preemption", "requeue", "scancel"])
+def test_a_row_stopped_from_outside_ends_truthfully(cluster, data_dir, tmp_path, command, statuses, code):
     proc = _start(cluster, [*_launcher(tmp_path), *LONG, f"results_dir={tmp_path}", f"data_dir={data_dir}"])
     job = _running_job(cluster, tmp_path)
-    subprocess.run(["scancel", "--signal=USR2", job], env=_env(cluster), check=True)
+    subprocess.run([*command, job], env=_env(cluster), check=True)
     out, err = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, err[-3000:]
-    assert _statuses(tmp_path) == [("interrupted", "preempted"), ("ok", "")]
-    assert _summary(err)[0] == "sweep: 1 of 1 rows ok or skipped" and "Traceback" not in err
-
-
-@pytest.mark.slow
-def test_a_requeued_row_sigterm_ends_ok_after_its_rerun(cluster, data_dir, tmp_path):
-    proc = _start(cluster, [*_launcher(tmp_path), *LONG, f"results_dir={tmp_path}", f"data_dir={data_dir}"])
-    job = _running_job(cluster, tmp_path)
-    subprocess.run(["scontrol", "requeue", job], env=_env(cluster), check=True)
-    out, err = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, err[-3000:]
-    assert _statuses(tmp_path) == [("interrupted", "preempted"), ("ok", "")]
-    assert "Traceback" not in err
-
-
-@pytest.mark.slow
-def test_a_cancelled_row_is_interrupted_and_the_sweep_ends_with_its_line(cluster, data_dir, tmp_path):
-    proc = _start(cluster, [*_launcher(tmp_path), *LONG, f"results_dir={tmp_path}", f"data_dir={data_dir}"])
-    job = _running_job(cluster, tmp_path)
-    subprocess.run(["scancel", job], env=_env(cluster), check=True)
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 1, err[-3000:]
-    assert _statuses(tmp_path) == [("interrupted", "cancelled")]
-    (row,) = _summary(err)[1:]
-    assert re.match(r"  row 1 \(.*\): interrupted: SIGTERM \(cancelled\) after \d+ ", row), row
-    assert "Traceback" not in err
+    assert proc.returncode == code, err[-3000:]
+    assert _statuses(tmp_path) == statuses and "Traceback" not in err
+    summary = _summary(err)
+    if code == 0:
+        assert summary[0] == "sweep: 1 of 1 rows ok or skipped"
+    else:
+        assert re.match(r"  row 1 \(.*\): interrupted: SIGTERM \(cancelled\) after \d+ ", summary[1]), summary
