@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from kvq_lab.run import slurm, sweep
+    from kvq_lab.run import slurm_job, sweep
     from kvq_lab.run.runner import RecordNotWritten, RunFailed, RunInterrupted, run
 
     logging.getLogger("kvq_lab").setLevel(logging.INFO)
@@ -58,8 +58,8 @@ def main(cfg: DictConfig) -> float | None:
         why = f" ({e.reason})" if e.reason else ""
         rec = f" (record: {e.record})" if e.record else ""
         print(f"interrupted: {e.signame}{why}{where}; stopping{rec}", file=sys.stderr)
-        if slurm.in_submitit_job():  # one row per job: submitit requeues it, or the job ends with a result
-            slurm.end_interrupted(e.signum, e.previous)
+        if slurm_job.in_submitit_job():  # one row per job: submitit requeues it, or the job ends with a result
+            slurm_job.end_interrupted(e.signum, e.previous)
             return None
         sys.exit(e.exit_code)
     if outcome.get("status"):

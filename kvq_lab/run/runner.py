@@ -123,7 +123,7 @@ class RunInterrupted(BaseException):  # noqa: N818  (like KeyboardInterrupt: not
 
 def stop_signals() -> list[signal.Signals]:
     """The signals that interrupt a run: SIGINT, SIGTERM, and in a submitit job its preemption signal (SIGUSR2)."""
-    from kvq_lab.run.slurm import preempt_signal
+    from kvq_lab.run.slurm_job import preempt_signal
 
     pre = preempt_signal()
     return [signal.SIGINT, signal.SIGTERM, *([pre] if pre is not None else [])]
@@ -305,7 +305,7 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("cache/bits")}
             metrics.update(precision.measured_bits(model, plan.cache, n))
     except RunInterrupted as e:
-        from kvq_lab.run.slurm import stop_reason
+        from kvq_lab.run.slurm_job import stop_reason
 
         progress = ctx.progress.as_dict() if ctx is not None else {"unit": "model load", "done": 0, "total": None}
         reason = stop_reason(e.signame)

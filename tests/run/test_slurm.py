@@ -1,5 +1,5 @@
-"""kvq_lab.run.slurm without a cluster: SLURM's answers faked at the scontrol boundary. The same behaviour on a real
-single-node SLURM: tests/run/test_slurm_cluster.py (marker `slurm`)."""
+"""kvq_lab.run.slurm and kvq_lab.run.slurm_job without a cluster: SLURM's answers faked at the scontrol boundary.
+The same behaviour on a real single-node SLURM: tests/run/test_slurm_cluster.py (marker `slurm`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import time
 import pytest
 
 from kvq_lab.common.errors import ConfigError
-from kvq_lab.run import slurm
-from kvq_lab.run.slurm import Partition, check_resources, minutes
+from kvq_lab.run import slurm, slurm_job
+from kvq_lab.run.slurm import Partition, check_resources
+from kvq_lab.run.slurm_job import minutes
 from kvq_lab.tasks import TaskContext
 
 
@@ -83,7 +84,7 @@ def _in_job(monkeypatch, state: str, left_s: float, delay: int = 120, restarts: 
         "EndTime": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime()),  # a cancelled job's: now
         "Restarts": str(restarts),
     }
-    monkeypatch.setattr(slurm, "_scontrol_job", lambda job_id: job)
+    monkeypatch.setattr(slurm_job, "_scontrol_job", lambda job_id: job)
 
 
 @pytest.mark.parametrize(
@@ -99,18 +100,18 @@ def _in_job(monkeypatch, state: str, left_s: float, delay: int = 120, restarts: 
 )
 def test_why_slurm_stopped_a_row(monkeypatch, signame, state, left_s, restarts, reason):
     _in_job(monkeypatch, state, left_s, restarts=restarts)
-    assert slurm.stop_reason(signame) == reason
+    assert slurm_job.stop_reason(signame) == reason
 
 
 def test_a_rerun_of_a_requeued_job_is_not_requeued_again_by_its_own_count(monkeypatch):
     _in_job(monkeypatch, "COMPLETING", 3000, restarts=1)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # this run is the requeued one; scancel now
-    assert slurm.stop_reason("SIGTERM") == "cancelled" and not slurm.will_be_requeued()
+    assert slurm_job.stop_reason("SIGTERM") == "cancelled" and not slurm_job.will_be_requeued()
 
 
 def test_no_reason_outside_a_slurm_job(monkeypatch):
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
-    assert slurm.stop_reason("SIGTERM") == "" and slurm.preempt_signal() is None
+    assert slurm_job.stop_reason("SIGTERM") == "" and slurm_job.preempt_signal() is None
 
 
 def test_submitits_signal_goes_to_its_handler_and_a_refused_requeue_ends_normally(monkeypatch, capsys):
@@ -122,7 +123,7 @@ def test_submitits_signal_goes_to_its_handler_and_a_refused_requeue_ends_normall
         raise SystemExit(-1)  # submitit requeued the job and exits
 
     with pytest.raises(SystemExit):
-        slurm.end_interrupted(signal.SIGUSR2, requeue)
+        slurm_job.end_interrupted(signal.SIGUSR2, requeue)
 
     class UncompletedJobError(RuntimeError):
         pass
@@ -131,16 +132,16 @@ def test_submitits_signal_goes_to_its_handler_and_a_refused_requeue_ends_normall
         seen.append(signum)
         raise UncompletedJobError("Job not requeued because: timed-out too many times.")
 
-    slurm.end_interrupted(signal.SIGUSR2, refuse)  # returns: submitit writes the job's result
+    slurm_job.end_interrupted(signal.SIGUSR2, refuse)  # returns: submitit writes the job's result
     assert seen == [signal.SIGUSR2] * 2 and "timed-out too many times" in capsys.readouterr().err
 
 
 def test_sigterm_ends_normally_unless_slurm_requeues_the_job(monkeypatch):
     _in_job(monkeypatch, "COMPLETING", 3000)
-    slurm.end_interrupted(signal.SIGTERM, None)  # scancel: the job ends, with a result
+    slurm_job.end_interrupted(signal.SIGTERM, None)  # scancel: the job ends, with a result
     _in_job(monkeypatch, "COMPLETING", 3000, restarts=1)
     with pytest.raises(SystemExit) as e:  # requeued by SLURM: no result; the host waits for the rerun
-        slurm.end_interrupted(signal.SIGTERM, None)
+        slurm_job.end_interrupted(signal.SIGTERM, None)
     assert e.value.code == 143
 
 
