@@ -18,6 +18,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _reference_cache(tmp_path_factory):
+    """The 16-bit references task=fidelity keeps (kvq_lab/tasks/reference.py) go to a temporary folder during the
+    tests (and their subprocesses), not to the user's cache."""
+    before = os.environ.get("KVQ_REFERENCE_CACHE")
+    os.environ["KVQ_REFERENCE_CACHE"] = str(tmp_path_factory.mktemp("reference"))
+    yield
+    if before is None:
+        os.environ.pop("KVQ_REFERENCE_CACHE", None)
+    else:
+        os.environ["KVQ_REFERENCE_CACHE"] = before
+
+
 def pytest_collection_modifyitems(config, items):
     """`slurm` tests start a local SLURM cluster and wait out its requeue delays (minutes): they run when asked for
     (`make test-slurm`, i.e. `-m slurm`), and are skipped, saying so, otherwise."""

@@ -2,8 +2,8 @@
 
 Same windows and the same teacher-forced decode as decode-mode perplexity (kvq_lab/tasks/decode.py: prefill the
 context, then feed the true tokens one at a time through the cache), run twice: once with an exact `DynamicCache`
-(the reference, memoized per model + token ids + prefill mode within the process, so a sweep over caches computes
-it once) and once through the run's cache. At every scored position t (decode step t of window b):
+(the reference, computed once per model, token ids and protocol and kept on disk across processes:
+kvq_lab/tasks/reference.py) and once through the run's cache. At every scored position t (decode step t of window b):
 
     KL_t = sum_v p_ref(v) * (log p_ref(v) - log p_q(v))      (KL(reference || quantized), nats)
     top1_t = [argmax p_ref == argmax p_q]
@@ -22,11 +22,11 @@ over decode position (mean over windows, in bins) goes to the record's artifacts
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvq_lab.common.metric import Metric
+from kvq_lab.tasks.reference import stored_reference
 from kvq_lab.tasks.text import source_text
 
 from . import TaskContext, register_task
@@ -36,27 +36,27 @@ if TYPE_CHECKING:  # torch loads when the task runs, not when validation imports
     import torch
 
 CURVE_BINS = 16
-_REFERENCE: dict[tuple, object] = {}  # one entry: (model, ids, prefill) -> log-probs [B, N, V]
 
 
 def reference_logprobs(model, windows: torch.Tensor, context: int, exact_prefill: bool, progress=None) -> torch.Tensor:
-    """The 16-bit model's log-probs [B, N, V] at every scored position (exact DynamicCache), memoized."""
-    import torch
-    from transformers import DynamicCache
+    """The 16-bit model's log-probs [B, N, V] at every scored position (exact DynamicCache), computed once
+    (kvq_lab.tasks.reference)."""
 
-    from kvq_lab.tasks.decode import teacher_forced_logits
+    def compute():
+        import torch
+        from transformers import DynamicCache
 
-    key = (id(model), model.name_or_path, hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), context,
-           exact_prefill)  # fmt: skip
-    if key not in _REFERENCE:
-        _REFERENCE.clear()  # one text at a time: [B, N, V] fp32 is hundreds of MB
+        from kvq_lab.tasks.decode import teacher_forced_logits
+
         steps = []
         for step, logits in teacher_forced_logits(model, DynamicCache(), windows, context, exact_prefill):
             steps.append(torch.log_softmax(logits, dim=-1))
             if progress is not None:
                 progress.done = step + 1
-        _REFERENCE[key] = torch.stack(steps, dim=1)
-    return _REFERENCE[key]
+        return torch.stack(steps, dim=1)
+
+    protocol = {"protocol": "decode", "context": context, "exact_prefill": exact_prefill}
+    return stored_reference(model, windows, protocol, compute)
 
 
 def compare(ref_logp: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,17 +94,17 @@ def save_curve_png(path: Path, positions: list[float], kl: list[float], top1: li
 
 def reference_chunk_logprobs(model, chunks: torch.Tensor, progress=None) -> torch.Tensor:
     """The 16-bit model's log-probs [C, n_ctx - 1 - first, V] over the scored halves of the chunks protocol (exact
-    attention, no cache), memoized like `reference_logprobs`."""
-    import torch
+    attention, no cache), computed once like `reference_logprobs`."""
 
-    from kvq_lab.tasks.chunks import chunk_logprobs
+    def compute():
+        import torch
 
-    key = (id(model), model.name_or_path, hashlib.sha256(chunks.cpu().numpy().tobytes()).hexdigest(), "chunks")
-    if key not in _REFERENCE:
-        _REFERENCE.clear()
+        from kvq_lab.tasks.chunks import chunk_logprobs
+
         rows = [logp for _, logp, _ in chunk_logprobs(model, lambda: None, chunks, progress, desc="16-bit chunks")]
-        _REFERENCE[key] = torch.stack(rows)
-    return _REFERENCE[key]
+        return torch.stack(rows)
+
+    return stored_reference(model, chunks, {"protocol": "chunks"}, compute)
 
 
 def run_fidelity_chunks(ctx) -> dict[str, float]:
