@@ -86,8 +86,9 @@ class CacheKnobs:
         None,
         "maps around each quantizer, undone after it: `none`, `hadamard` (orthonormal rotation of the head dim, "
         "QuaRot; `hadamard:<n>`: blocks of n channels), `rhadamard` (random signs then Hadamard, seeded: "
-        "`rhadamard:<seed>`; the rotation TurboQuant's engines use), `rope_pre` (keys only; what `rope=pre` sets); "
-        "a list composes "
+        "`rhadamard:<seed>`; the rotation TurboQuant's engines use), `rope_pre` (keys only; what `rope=pre` sets), "
+        "`interleave` (keys only: channels in llama.cpp's order for Llama, RoPE pairs adjacent, as its block types "
+        "group them); a list composes "
         "in order, e.g. `key_transform=[rope_pre,hadamard]`. Fitted on calibration text: `innerq` (keys only; a "
         "power-of-two scale per head and channel, keys divided, query multiplied: InnerQ; `innerq:<alpha>` scales by "
         "max\\|k\\|^alpha, 0 < alpha <= 1, SmoothQuant-style partial scaling), `rotatekv` (a per-head channel reorder "

@@ -438,3 +438,22 @@ def test_rhadamard_flattens_a_coordinate_distribution_that_hadamard_keeps():
 def test_rhadamard_seed_is_checked():
     with pytest.raises(QuantConfigError, match=r"rhadamard:x needs a seed"):
         get_transform("rhadamard:x")
+
+
+def test_interleave_is_llama_cpps_key_layout():
+    """interleave(k) is the key that llama.cpp's GGUF converter's permuted W_k makes (convert_hf_to_gguf.py's
+    `permute`: per head, rows reshaped (2, D/2), swapped to (D/2, 2)), and what a block of 32 then groups is whole
+    RoPE pairs: channel 2i and 2i + 1 are the pair (i, i + D/2) of transformers' rotate_half."""
+    from kvq_lab.quant.transforms import get_transform
+
+    H, D, hidden = 3, 64, 48
+    w = torch.randn(H * D, hidden)  # W_k in transformers' layout
+    gguf = w.reshape(H, 2, D // 2, hidden).swapaxes(1, 2).reshape(H * D, hidden)  # llama.cpp's rows
+    x = torch.randn(5, hidden)
+    k_hf = (x @ w.T).reshape(5, H, D).transpose(0, 1)[None]  # [1, H, T, D]
+    k_gguf = (x @ gguf.T).reshape(5, H, D).transpose(0, 1)[None]
+    t = get_transform("interleave")
+    assert torch.equal(t.forward(k_hf), k_gguf) and torch.equal(t.inverse(k_gguf), k_hf)
+    i = torch.arange(D // 2)
+    assert torch.equal(t.forward(torch.arange(float(D)))[2 * i], i.float())
+    assert torch.equal(t.forward(torch.arange(float(D)))[2 * i + 1], (i + D // 2).float())

@@ -28,6 +28,7 @@ Registered transforms (`kvq_lab.quant.transforms.builtin` imports them):
     rope_pre   keys only: undo the model's RoPE so keys are quantized before rotation, re-rotate after (KVQuant)
     hadamard   a fixed orthonormal Hadamard rotation of the head dim, whole or in blocks (QuaRot)
     rhadamard  a seeded randomized Hadamard rotation: random signs, then Hadamard (TurboQuant's engines)
+    interleave keys only: channels in llama.cpp's order for Llama (RoPE pairs adjacent), as its block types group them
     innerq     keys only, fitted: per-(head, channel) power-of-two key scale, folded into the query (InnerQ)
     rotatekv   fitted: per-head channel reorder by calibration magnitude + Hadamard blocks (RotateKV)
 

@@ -4,4 +4,4 @@ The one place that knows the plugins: a new transform adds its import here. (Not
 would shadow the builtin `all` inside the package.)
 """
 
-from kvq_lab.quant.transforms import hadamard, innerq, rhadamard, rope_pre, rotatekv  # noqa: F401  (imported for their registration)
+from kvq_lab.quant.transforms import hadamard, innerq, interleave, rhadamard, rope_pre, rotatekv  # noqa: F401  (imported for their registration)
