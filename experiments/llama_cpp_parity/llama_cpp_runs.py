@@ -5,6 +5,8 @@ for every KV cache type, with llama.cpp's Hadamard rotation on and off (LLAMA_AT
     python experiments/llama_cpp_parity/llama_cpp_runs.py [--n-ctx 512 2048] [--threads 1]
     python experiments/llama_cpp_parity/llama_cpp_runs.py --n-ctx 512 --types q4_0/f16 f16/q4_0 --rotation off \
         --out checks                                      # one-sided caches, for the differences' causes
+    python experiments/llama_cpp_parity/llama_cpp_runs.py --n-ctx 512 --base-ubatch 8 --out vector_base
+                                                          # against an f16 base on the quantized caches' kernel
 
 Writes <out>/<n_ctx>_<ctk>_<ctv>_<rot|norot>.log here (kept: they are the records of this side; a run whose log
 already holds its final statistics is not run again) and <out>/results.json (one row per log: the statistics it
@@ -77,6 +79,9 @@ def main() -> int:
     ap.add_argument("--types", nargs="+", default=[f"{k}/{v}" for k, v in TYPES], help="K/V cache type pairs")
     ap.add_argument("--rotation", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--out", default="llama_cpp", help="folder under experiments/llama_cpp_parity for the logs")
+    ap.add_argument("--base-ubatch", type=int, default=None,
+                    help="ubatch of the f16 base run (8: llama.cpp's vector flash-attention kernel, the one every "
+                         "quantized cache runs, instead of its tiled one)")  # fmt: skip
     args = ap.parse_args()
     binary = subprocess.run([sys.executable, str(REPO / "scripts" / "llama_cpp.py"), "path"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
@@ -113,8 +118,9 @@ def main() -> int:
             base = scratch / f"base{n_ctx}.kld"
             common = [binary, "-m", gguf, "-c", str(n_ctx), "-b", str(n_ctx), "-fa", "on", "-t", str(args.threads)]
             t0 = time.time()
-            subprocess.run([*common, "-f", str(text), "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base", str(base)],
-                           check=True, capture_output=True)  # fmt: skip
+            ub = ["-ub", str(args.base_ubatch)] if args.base_ubatch else []
+            subprocess.run([*common, *ub, "-f", str(text), "-ctk", "f16", "-ctv", "f16", "--kl-divergence-base",
+                            str(base)], check=True, capture_output=True)  # fmt: skip
             print(f"n_ctx {n_ctx}: base logits in {time.time() - t0:.0f} s", flush=True)
             for ctk, ctv, rot, log in runs:
                 env = {**os.environ} if rot else {**os.environ, "LLAMA_ATTN_ROT_DISABLE": "1"}

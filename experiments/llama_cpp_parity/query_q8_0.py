@@ -6,7 +6,7 @@ attention multiplies the fp32 query with the dequantized keys. This runs kvq_lab
 protocol twice, with the query as it is and with it rounded through kvq_lab's q8_0 format (ggml's exact arithmetic)
 just before attention (the 16-bit reference untouched), and writes checks/query_q8_0.json.
 
-    python experiments/llama_cpp_parity/query_q8_0.py [--n-ctx 512] [--quant llamacpp_q4_0 ...] [--k-only]
+    python experiments/llama_cpp_parity/query_q8_0.py [--n-ctx 512] [--quant llamacpp_q4_0 ...] [--k-only] [--q8-only]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def main() -> int:
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--quant", nargs="+", default=["llamacpp_q4_0", "llamacpp_q4_1"])
     ap.add_argument("--k-only", action="store_true", help="values kept at 16 bits (llama.cpp's -ctv f16)")
+    ap.add_argument("--q8-only", action="store_true", help="only the q8_0-query runs (the fp32 ones are the study's)")
     ap.add_argument("--out", default=str(HERE / "checks" / "query_q8_0.json"))
     args = ap.parse_args()
     from hydra import compose, initialize_config_dir
@@ -80,7 +81,7 @@ def main() -> int:
     out = Path(args.out)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None), quantized_query(active):
         for quant in args.quant:
-            for q8 in (False, True):
+            for q8 in (True,) if args.q8_only else (False, True):
                 overrides = [
                     "experiment=llama_cpp_parity",
                     f"quant={quant}",

