@@ -72,15 +72,28 @@ def llama_cpp_rows(folder: str = "llama_cpp") -> tuple[list[dict], str]:
 
 
 HEADER = [
-    "| n_ctx | K / V | rotation | ln(PPL_q/PPL_f16) llama.cpp | kvq_lab | ok | mean KLD llama.cpp | kvq_lab | ok "
-    "| same top p llama.cpp | kvq_lab |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    "| n_ctx | K / V | rotation | ln(PPL_q/PPL_f16) llama.cpp | kvq_lab | ok | \\|Δ\\|/σ | mean KLD llama.cpp "
+    "| kvq_lab | ok | kvq_lab + floor | ok | same top p llama.cpp | kvq_lab |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
 ]
+
+
+def floors(theirs: list[dict], ours: dict) -> dict[tuple, float]:
+    """(n_ctx, rotation) -> llama.cpp's kernel floor: the KLD of its q8_0 cache less kvq_lab's q8_0 (what the 8-bit
+    cache itself moves), i.e. what llama.cpp's quantized-cache kernel adds against its f16 base whatever the cache."""
+    out = {}
+    for row in theirs:
+        if (row["ctk"], row["ctv"]) == ("q8_0", "q8_0") and "kl_mean" in row:
+            m = ours.get((row["n_ctx"], "q8_0", "q8_0", row["rotation"], True))
+            if m is not None:
+                out[(row["n_ctx"], row["rotation"])] = row["kl_mean"] - m["fidelity/kl_mean"]
+    return out
 
 
 def compare(theirs: list[dict], ours: dict) -> tuple[list[str], list[tuple]]:
     """Table rows (llama.cpp beside kvq_lab, the criterion per measure) and the ordering lines; the plot's points."""
     lines, points = [], []
+    floor = floors(theirs, ours)
     for row in theirs:
         key = (row["n_ctx"], row["ctk"], row["ctv"], row["rotation"])
         m = ours.get((*key, row["ctk"] != "f16")) or ours.get((*key, False))
@@ -90,13 +103,18 @@ def compare(theirs: list[dict], ours: dict) -> tuple[list[str], list[tuple]]:
         ok1, ok2 = agree(lr, row["ln_ppl_ratio"]), agree(kl, row["kl_mean"])
         types = f"{row['ctk']} / {row['ctv']}"
         rot = "on" if row["rotation"] else "off"
+        f = floor.get((row["n_ctx"], row["rotation"])) if row["ctk"] != "f16" else 0.0
+        sigma = (row.get("ln_ppl_ratio_unc", 0) ** 2 + m["fidelity/ln_ppl_ratio_unc"] ** 2) ** 0.5
+        z = f"{abs(lr - row['ln_ppl_ratio']) / sigma:.1f}" if sigma else "-"
+        with_floor = "-" if f is None else f"{kl + f:.4f} | {'yes' if agree(kl + f, row['kl_mean']) else 'no'}"
         lines.append(
             f"| {row['n_ctx']} | {types} | {rot} | {row['ln_ppl_ratio']:.4f} ± {row.get('ln_ppl_ratio_unc', 0):.4f} "
-            f"| {lr:.4f} ± {m['fidelity/ln_ppl_ratio_unc']:.4f} | {'yes' if ok1 else 'no'} "
+            f"| {lr:.4f} ± {m['fidelity/ln_ppl_ratio_unc']:.4f} | {'yes' if ok1 else 'no'} | {z} "
             f"| {row['kl_mean']:.4f} ± {row.get('kl_mean_unc', 0):.4f} | {kl:.4f} ± {m['fidelity/kl_mean_unc']:.4f} "
-            f"| {'yes' if ok2 else 'no'} | {row.get('top1_agree', float('nan')):.3f} | {m['fidelity/top1_agree']:.3f} |"
+            f"| {'yes' if ok2 else 'no'} | {with_floor} "
+            f"| {row.get('top1_agree', float('nan')):.3f} | {m['fidelity/top1_agree']:.3f} |"
         )
-        points.append((row["n_ctx"], types, rot, row["kl_mean"], kl))
+        points.append((row["n_ctx"], types, rot, row["kl_mean"], kl, kl + (f or 0.0)))
     for n_ctx in sorted({p[0] for p in points}):
         for rot in ("on", "off"):
             sel = [p for p in points if p[0] == n_ctx and p[2] == rot and p[1] != "f16 / f16"]
@@ -172,37 +190,58 @@ def checks(ours: dict) -> list[str]:
     q = c / "query_q8_0.json"
     if q.is_file():
         out += ["", "kvq_lab with the query rounded through q8_0 before attention, as llama.cpp's vector kernel reads "
-                "it (query_q8_0.py):", "", "| cache | query | mean KLD | ln(PPL_q/PPL_f16) |",
-                "|---|---|---|---|"]  # fmt: skip
+                "it for every quantized K type (query_q8_0.py), beside llama.cpp (tiled f16 base):", "",
+                "| cache | rotation | mean KLD llama.cpp | kvq_lab, fp32 query | kvq_lab, q8_0 query | ok "
+                "| ln ratio llama.cpp | kvq_lab, q8_0 query | ok |",
+                "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in json.loads(q.read_text()):
-            what = r["quant"] + (" (keys only)" if r["k_only"] else "")
-            out.append(f"| {what} | {r['query']} | {r['kl_mean']:.4f} ± {r['kl_mean_unc']:.4f} "
-                       f"| {r['ln_ppl_ratio']:.4f} ± {r['ln_ppl_ratio_unc']:.4f} |")  # fmt: skip
+            if r["k_only"] or r["query"] != "q8_0":
+                continue
+            name = r["quant"].removeprefix("llamacpp_")
+            rot = name.endswith("_had")
+            n = name.removesuffix("_had")  # llamacpp_<type>[_had] or llamacpp_<k>_<v>[_had]
+            ctk, ctv = next((k, v) for k, v in FORMATS if n == f"{k}_{v}" or (k == v == n))
+            log = HERE / "llama_cpp" / f"{r['n_ctx']}_{ctk}_{ctv}_{'rot' if rot else 'norot'}.log"
+            theirs = log_row(log) if log.is_file() else {}
+            base = ours.get((r["n_ctx"], ctk, ctv, rot, True), {})
+            if not theirs or not base:
+                continue
+            out.append(
+                f"| {ctk} / {ctv} | {'on' if rot else 'off'} | {theirs['kl_mean']:.4f} "
+                f"| {base['fidelity/kl_mean']:.4f} | {r['kl_mean']:.4f} ± {r['kl_mean_unc']:.4f} "
+                f"| {'yes' if agree(r['kl_mean'], theirs['kl_mean']) else 'no'} | {theirs['ln_ppl_ratio']:.4f} "
+                f"| {r['ln_ppl_ratio']:.4f} | {'yes' if agree(r['ln_ppl_ratio'], theirs['ln_ppl_ratio']) else 'no'} |"
+            )
     return out
 
 
 def plot(points) -> None:
+    """KLD of each cache type, llama.cpp's against kvq_lab's: as measured, and with llama.cpp's floor added."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    for n_ctx, marker in ((512, "o"), (2048, "s")):
-        for rot, color in (("on", "C0"), ("off", "C1")):
-            sel = [p for p in points if p[0] == n_ctx and p[2] == rot and p[1] != "f16 / f16"]
-            if sel:
-                ax.scatter([p[3] for p in sel], [p[4] for p in sel], marker=marker, color=color,
-                           label=f"n_ctx {n_ctx}, rotation {rot}")  # fmt: skip
-                for p in sel:
-                    k, v = p[1].split(" / ")
-                    ax.annotate(k if k == v else f"{k}/{v}", (p[3], p[4]), fontsize=6)
-    lo = min(min(p[3], p[4]) for p in points if p[3] > 0 and p[4] > 0)
-    hi = max(max(p[3], p[4]) for p in points)
-    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="equal")
-    ax.set(xscale="log", yscale="log", xlabel="mean KLD, llama.cpp", ylabel="mean KLD, kvq_lab",
-           title="KV cache types: KLD vs 16-bit, same GGUF, same chunks")  # fmt: skip
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 5), sharex=True, sharey=True)
+    quantized = [p for p in points if p[1] != "f16 / f16"]
+    lo = min(min(p[3], p[4]) for p in quantized if p[3] > 0 and p[4] > 0)
+    hi = max(max(p[3], p[5]) for p in quantized)
+    for ax, col, title in ((axes[0], 4, "as measured"), (axes[1], 5, "kvq_lab + llama.cpp's kernel floor")):
+        for n_ctx, marker in ((512, "o"), (2048, "s")):
+            for rot, color in (("on", "C0"), ("off", "C1")):
+                sel = [p for p in quantized if p[0] == n_ctx and p[2] == rot]
+                if sel:
+                    ax.scatter([p[3] for p in sel], [p[col] for p in sel], marker=marker, color=color,
+                               label=f"n_ctx {n_ctx}, rotation {rot}")  # fmt: skip
+                    for p in sel:
+                        k, v = p[1].split(" / ")
+                        ax.annotate(k if k == v else f"{k}/{v}", (p[3], p[col]), fontsize=6)
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="equal")
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="k", alpha=0.08,
+                        label="±15%")  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="mean KLD, llama.cpp", ylabel="mean KLD, kvq_lab", title=title)
+        ax.legend(fontsize=7)
+    fig.suptitle("KV cache types: KLD against each side's f16, same GGUF, same chunks")
     fig.tight_layout()
     fig.savefig(HERE / "parity.png", dpi=120)
 
