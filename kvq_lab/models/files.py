@@ -13,7 +13,9 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the checks before a load need from a model: decoder layers, query and KV heads, head dim, context."""
+    """What the checks before a load need from a model: decoder layers, query and KV heads, head dim, context; whether
+    it carries a chat template (None: not known from its files), and whether its RoPE differs between layer types
+    (Gemma 3: one base frequency on sliding-window layers, another on global ones)."""
 
     layers: int
     heads: int
@@ -21,6 +23,8 @@ class ModelFacts:
     head_dim: int
     hidden: int
     context: int | None
+    chat_template: bool | None = None
+    rope_by_layer_type: bool = False
 
 
 class BadModelFile(ValueError):
@@ -106,6 +110,27 @@ def gguf_header(path: Path | str) -> dict:
     return meta
 
 
+ROPE_BY_LAYER_TYPE = ("gemma3", "gemma3n")  # GGUF architectures whose sliding and global layers rotate differently
+
+
+def _rope_by_layer_type(c: dict) -> bool:
+    """A config.json whose RoPE differs between layer types: transformers 5 keys `rope_parameters` by layer type
+    (`{"full_attention": {...}, "sliding_attention": {...}}`), earlier versions had `rope_local_base_freq`."""
+    rp = c.get("rope_parameters")
+    by_type = isinstance(rp, dict) and len(rp) > 1 and all(isinstance(v, dict) for v in rp.values())
+    return by_type or c.get("rope_local_base_freq") is not None
+
+
+def _folder_chat_template(p: Path) -> bool | None:
+    """Whether a model folder's tokenizer files carry a chat template; None when it has no tokenizer_config.json."""
+    if (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return None
+
+
 def facts(src: str) -> ModelFacts | None:
     """What `src` (a resolved folder or GGUF file; see `resolve`) is, read without loading weights; None for a hub
     id (nothing local to read). Raises BadModelFile for a local file that cannot be read as a model."""
@@ -125,6 +150,8 @@ def facts(src: str) -> ModelFacts | None:
                 head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
                 hidden=int(c["hidden_size"]),
                 context=c.get("max_position_embeddings"),
+                chat_template=_folder_chat_template(p),
+                rope_by_layer_type=_rope_by_layer_type(c),
             )
         except (KeyError, TypeError, ValueError):
             return None  # not a decoder this check knows: the load itself will say
@@ -142,6 +169,8 @@ def facts(src: str) -> ModelFacts | None:
             head_dim=int(get("attention.key_length") or get("embedding_length") // heads),
             hidden=int(get("embedding_length")),
             context=get("context_length"),
+            chat_template="tokenizer.chat_template" in meta,
+            rope_by_layer_type=arch in ROPE_BY_LAYER_TYPE,
         )
     return None
 

