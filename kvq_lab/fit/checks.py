@@ -37,6 +37,24 @@ def model_facts(model: str, head_dim: int | None = None):
     return f
 
 
+def check_model_features(cache: CacheConfig, facts, model: str, task) -> None:
+    """What this model's files say it cannot do, before its weights load: a task that prompts through a chat template
+    on a model without one, and keys quantized before RoPE (rope=pre) on a model whose RoPE differs between layer
+    types, which kvq_lab's RoPE helper does not model yet (it would fail after the load)."""
+    if facts is None:
+        return
+    if getattr(task, "chat", False) and facts.chat_template is False:
+        raise ConfigError(
+            f"task={task.name} prompts through the model's chat template, and model={model} has none (a base "
+            "model): use a chat/instruct model"
+        )
+    if facts.rope_by_layer_type and cache.rope == "pre" and not cache.key.is_identity:
+        raise ConfigError(
+            f"rope=pre (rope_pre) on model={model}: its RoPE differs between sliding-window and global layers, "
+            "which rope=pre does not model yet; use rope=post"
+        )
+
+
 def check_recompute(cache: CacheConfig, model: str, probes: bool) -> None:
     """mode=recompute before any weights load: the probes (`probes`: the run measures them) model K/V quantizers,
     not X; a local model's architecture (built from its config.json on the meta device) has separable K/V projections

@@ -55,7 +55,11 @@ class RunSchema(CacheKnobs):
     )
     resume_dirty: Any = knob(False, "also reuse records made from a git tree with uncommitted changes")
     experiment_name: Any = knob(None, "the study a run belongs to (`experiment=<name>` sets it)")
-    model: Any = knob(None, "`conf/model/`: `smollm2-135m`, or `model=hub model.path=<hub id or folder>`", factory=dict)
+    model: Any = knob(
+        None,
+        "`conf/model/`: `smollm2-135m`, `gemma3-270m`, or `model=hub model.path=<hub id or folder>`",
+        factory=dict,
+    )
     task: Any = knob(None, "`conf/task/`: `coqa_turns` (default), see the task table", factory=dict)
     logger: Any = knob(None, "`wandb` (offline unless `logger.mode=online` or `WANDB_MODE`) or `none`", factory=dict)
     calibration: Any = knob(
@@ -202,6 +206,7 @@ def build(cfg) -> RunConfig:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
     model = check_source(c["model"])
     facts = checks.model_facts(model, c["model"].get("head_dim"))
+    checks.check_model_features(cache, facts, model, TASKS[task_name])
     if cache.mode == "recompute":
         checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
     run = RunConfig(

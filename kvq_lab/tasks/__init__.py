@@ -145,6 +145,7 @@ class Task:
     name: str = ""
     headline: tuple[Metric, ...] = ()  # the columns of experiment tables (kvq_lab.report.tables), in order
     options: tuple[str, ...] = ("name",)  # the task.* keys this task reads
+    chat: bool = False  # prompts go through the model's chat template (a model without one is refused before load)
     data: tuple[DataFile, ...] = ()
     hub: tuple[str, ...] = ()  # hub dataset ids (with config) read when no data dir is given
     limit_unit: str = "documents"

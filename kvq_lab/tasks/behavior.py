@@ -234,6 +234,7 @@ class BehaviorTask(Task):
     """Drift of greedy chat answers from the 16-bit model's, on harmful and neutral prompts."""
 
     name = "behavior"
+    chat = True
     headline = (
         Metric("behavior/harmful/flip_rate", "refusal flips (harmful)", "lower", "%"),
         Metric("behavior/neutral/identical", "identical answers (neutral)", "higher", "%"),

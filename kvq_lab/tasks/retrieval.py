@@ -301,6 +301,7 @@ class RetrievalTask(Task):
     """Exact-match accuracy of a hidden number found in a long generated haystack (RULER-style)."""
 
     name = "retrieval"
+    chat = True
     headline = (Metric("retrieval/acc", "retrieval EM", "higher", "%"),)
     options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill")
     limit_unit = "samples"
