@@ -28,10 +28,18 @@ MIN_N_CTX = 4
 
 
 def bos_to_add(tokenizer) -> int | None:
-    """The BOS id llama.cpp would put at each chunk's start (the tokenizer adds one), else None."""
-    if not getattr(tokenizer, "add_bos_token", False) or tokenizer.bos_token_id is None:
+    """The BOS id llama.cpp would put at each chunk's start (the tokenizer adds one), else None. Asked of the
+    tokenizer itself where it can be called: transformers 5 reports `add_bos_token=False` for tokenizers whose
+    post-processor adds the BOS anyway (Gemma 3's)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
         return None
-    return int(tokenizer.bos_token_id)
+    if getattr(tokenizer, "add_bos_token", False):
+        return int(bos)
+    if callable(tokenizer):
+        ids = tokenizer("a")["input_ids"]
+        return int(bos) if ids and ids[0] == bos else None
+    return None
 
 
 def make_chunks(ids: list[int], n_ctx: int, n_chunks: int | None, bos: int | None) -> torch.Tensor:

@@ -139,13 +139,14 @@ def run_fidelity(ctx) -> dict[str, float]:
     import torch
     from transformers import DynamicCache
 
+    from kvq_lab.tasks.chunks import bos_to_add
     from kvq_lab.tasks.decode import make_windows, teacher_forced_logits
 
     t = ctx.cfg.task
     context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
     windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
     ids = ctx.tokenizer(source_text(t, ctx.data_dir), add_special_tokens=False)["input_ids"]
-    batch = make_windows(ids, context, eval_tokens, windows).to(ctx.model.device)
+    batch = make_windows(ids, context, eval_tokens, windows, bos_to_add(ctx.tokenizer)).to(ctx.model.device)
     exact = str(t.prefill) == "exact"
     ctx.progress.unit, ctx.progress.total = "reference decode steps", eval_tokens
     ref = reference_logprobs(ctx.model, batch, context, exact, progress=ctx.progress)

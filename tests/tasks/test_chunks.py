@@ -31,6 +31,13 @@ def test_bos_is_added_only_where_the_tokenizer_adds_one():
     assert C.bos_to_add(SimpleNamespace(add_bos_token=False, bos_token_id=1)) is None  # SmolLM2's GGUF: no BOS
     assert C.bos_to_add(SimpleNamespace(bos_token_id=1)) is None
 
+    class PostProcessed(SimpleNamespace):  # add_bos_token says no, its post-processor adds one (Gemma 3)
+        def __call__(self, text):
+            return {"input_ids": [self.bos_token_id, 99]}
+
+    assert C.bos_to_add(PostProcessed(add_bos_token=False, bos_token_id=2)) == 2
+    assert C.bos_to_add(PostProcessed(add_bos_token=False, bos_token_id=None)) is None
+
 
 def _ctx(model, make_cache, ids: list[int], n_ctx: int, tmp_path):
     """A TaskContext-like object for run_chunks_ppl whose tokenizer returns `ids` for any text."""

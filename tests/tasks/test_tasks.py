@@ -137,6 +137,11 @@ def test_cache_quantization_reaches_the_decode_ppl(tiny_model, rope):
 
 def test_make_windows_refuses_too_short_a_text():
     assert make_windows(list(range(100)), 10, 20, 3).tolist()[2][0] == 60
+    with_bos = make_windows(list(range(100)), 10, 20, 3, bos=7)  # the tokenizer adds a BOS: it replaces each first
+    assert (
+        with_bos[:, 0].tolist() == [7, 7, 7]
+        and with_bos[:, 1:].tolist() == make_windows(list(range(100)), 10, 20, 3)[:, 1:].tolist()
+    )
     with pytest.raises(ValueError, match="lower task.windows"):
         make_windows(list(range(100)), 30, 30, 2)
 
