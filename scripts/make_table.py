@@ -29,10 +29,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for table.md and the PNG (default experiments/<experiment>/)")
     ap.add_argument("--limit", type=int, default=None, help="only runs made with this limit=")
     ap.add_argument("--paper-model", default=DEFAULT_MODEL, choices=sorted(TABLE1))
+    ap.add_argument("--model", default=None, help="only this model's runs (model.path, e.g. gemma3-270m)")
     args = ap.parse_args(argv)
     out = args.out or Path("experiments") / args.experiment
     args.results_dir = args.results_dir or Path("experiments") / args.experiment
-    md, png = make_report(args.results_dir, args.experiment, out, limit=args.limit, paper_model=args.paper_model)
+    try:
+        md, png = make_report(args.results_dir, args.experiment, out, limit=args.limit, paper_model=args.paper_model,
+                              model=args.model)  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(md)
     if png is None:
         return 1

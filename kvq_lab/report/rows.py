@@ -191,9 +191,17 @@ def build_rows(
     limit: int | None = None,
     paper_model: str = DEFAULT_MODEL,
     probe_records: list[dict] | None = None,
+    model: str | None = None,
 ) -> list[Row]:
-    """Rows of `experiment` from `records` (see the module docstring). `limit`: only runs with that limit."""
+    """Rows of `experiment` from `records` (see the module docstring). `limit`: only runs with that limit; `model`:
+    only runs of that model (`model.path`, e.g. gemma3-270m); records of several models need one named."""
     recs = [r for r in records if _experiment(r) == experiment and _task(r) != PROBE_TASK]
+    if model is not None:
+        recs = [r for r in recs if _model(r) == model]
+    models = sorted({_model(r) for r in recs})
+    if len(models) > 1:
+        raise ValueError(f"experiment {experiment} has records of {len(models)} models ({', '.join(models)}): "
+                         "name one (make_table.py --model <name>)")  # fmt: skip
     if limit is not None:
         recs = [r for r in recs if r.get("config", {}).get("limit") == limit]
     rows: dict[str, Row] = {}
@@ -256,7 +264,11 @@ def probe_folders(results_dir: str | Path) -> list[Path]:
 
 
 def load_rows(
-    results_dir: str | Path, experiment: str, limit: int | None = None, paper_model: str = DEFAULT_MODEL
+    results_dir: str | Path,
+    experiment: str,
+    limit: int | None = None,
+    paper_model: str = DEFAULT_MODEL,
+    model: str | None = None,
 ) -> list[Row]:
     probes = [
         r
@@ -265,7 +277,7 @@ def load_rows(
         if any(k.startswith("probe/") for k in r.get("metrics", {}))
     ]
     rows = query(Path(results_dir), verified=True)  # a record that does not match its digest is named and left out
-    return build_rows(rows, experiment, limit=limit, paper_model=paper_model, probe_records=probes)
+    return build_rows(rows, experiment, limit=limit, paper_model=paper_model, probe_records=probes, model=model)
 
 
 def tasks_of(rows: list[Row]) -> list[str]:

@@ -124,9 +124,10 @@ def make_report(
     out_dir: str | Path | None = None,
     limit: int | None = None,
     paper_model: str = DEFAULT_MODEL,
+    model: str | None = None,
 ) -> tuple[str, Path | None]:
     """-> (markdown, PNG path or None). Writes table.md and <experiment>.png under out_dir when given."""
-    rows = load_rows(results_dir, experiment, limit=limit, paper_model=paper_model)
+    rows = load_rows(results_dir, experiment, limit=limit, paper_model=paper_model, model=model)
     if not rows:
         return f"no records for experiment `{experiment}` under {results_dir}/runs", None
     md = describe(rows, experiment, paper_model) + "\n\n" + markdown_table(rows, paper_model)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helpers_records import axis_table_results
+import pytest
+from helpers_records import axis_table_results, config, write_record
 
 from kvq_lab.records.record import load_records
 from kvq_lab.report.anchors import paper_values, row_name
@@ -103,3 +104,18 @@ def test_rows_come_from_the_structured_cache_config_not_the_label(tmp_path):
     assert set(rows) == {"2bit (K-C, V-T)", "2bit (K-C, V-T), keys hadamard", "K8/V2bit (K-T, V-T), keys fp8_e4m3"}
     assert rows["2bit (K-C, V-T)"].paper["CoQA"] == 63.53  # from the fields (K-C), not the flat knobs (K-T)
     assert rows["2bit (K-C, V-T), keys hadamard"].paper == {} and rows["K8/V2bit (K-T, V-T), keys fp8_e4m3"].paper == {}
+
+
+def test_a_second_models_records_make_its_own_table(tmp_path):
+    """Records of two models under one experiment: each model's table from its own runs only, and no table that
+    silently mixes them."""
+    results = axis_table_results(tmp_path / "res")
+    gemma = {"name": "gemma3-270m", "path": "gemma3-270m"}
+    rec = {"status": "ok", "cache": "K16b_V16b_sim", "experiment": "kivi_axis_table",
+           "config": config(16, 16, "token", "token", model=gemma), "metrics": {"coqa_turns/f1": 42.0}}  # fmt: skip
+    write_record(results, "20260201-000000_gemma", rec)
+    with pytest.raises(ValueError, match="records of 2 models .*--model"):
+        build_rows(load_records(results), "kivi_axis_table")
+    (g,) = build_rows(load_records(results), "kivi_axis_table", model="gemma3-270m")
+    assert g.cells["coqa_turns"].metrics["coqa_turns/f1"] == 42.0
+    assert len(build_rows(load_records(results), "kivi_axis_table", model="smollm2-135m")) == 6
