@@ -51,6 +51,16 @@ def make_windows(ids: list[int], context: int, eval_tokens: int, windows: int, b
     return out
 
 
+def text_windows(ctx) -> torch.Tensor:
+    """The run's windows [windows, context + eval tokens] on the model's device: its text (`task.source`) through its
+    tokenizer, `task.windows` capped by `limit`, each window starting with the BOS where the tokenizer adds one."""
+    t = ctx.cfg.task
+    windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
+    ids = ctx.tokenizer(source_text(t, ctx.data_dir), add_special_tokens=False)["input_ids"]
+    batch = make_windows(ids, int(t.context_tokens), int(t.eval_tokens), windows, bos_to_add(ctx.tokenizer))
+    return batch.to(ctx.model.device)
+
+
 def check_logits(logits: torch.Tensor, step: int, what: str) -> None:
     if not torch.isfinite(logits).all():
         raise NonFiniteError(
@@ -123,10 +133,8 @@ def run_ppl(ctx) -> dict[str, float]:
     """Task entry point: metrics `ppl/ppl`, `ppl/nll` (mean, nats/token), `ppl/n_tokens`, `ppl/windows`."""
     t = ctx.cfg.task
     context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
-    windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
-    text = source_text(t, ctx.data_dir)
-    ids = ctx.tokenizer(text, add_special_tokens=False)["input_ids"]
-    batch = make_windows(ids, context, eval_tokens, windows, bos_to_add(ctx.tokenizer)).to(ctx.model.device)
+    batch = text_windows(ctx)
+    windows = batch.shape[0]
     cache = ctx.make_cache() or DynamicCache()
     ctx.progress.unit, ctx.progress.total = "decode steps", eval_tokens
     nll = decode_nll(ctx.model, cache, batch, context, exact_prefill=str(t.prefill) == "exact", progress=ctx.progress)

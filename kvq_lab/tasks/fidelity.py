@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from kvq_lab.common.metric import Metric
 from kvq_lab.tasks.reference import stored_reference
-from kvq_lab.tasks.text import source_text
 
 from . import TaskContext, register_task
 from .ppl import PplTask
@@ -139,14 +138,12 @@ def run_fidelity(ctx) -> dict[str, float]:
     import torch
     from transformers import DynamicCache
 
-    from kvq_lab.tasks.chunks import bos_to_add
-    from kvq_lab.tasks.decode import make_windows, teacher_forced_logits
+    from kvq_lab.tasks.decode import teacher_forced_logits, text_windows
 
     t = ctx.cfg.task
     context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
-    windows = int(t.windows) if ctx.limit is None else min(int(t.windows), ctx.limit)
-    ids = ctx.tokenizer(source_text(t, ctx.data_dir), add_special_tokens=False)["input_ids"]
-    batch = make_windows(ids, context, eval_tokens, windows, bos_to_add(ctx.tokenizer)).to(ctx.model.device)
+    batch = text_windows(ctx)
+    windows = batch.shape[0]
     exact = str(t.prefill) == "exact"
     ctx.progress.unit, ctx.progress.total = "reference decode steps", eval_tokens
     ref = reference_logprobs(ctx.model, batch, context, exact, progress=ctx.progress)
