@@ -34,7 +34,6 @@ from kvq_lab.quant.transforms import TRANSFORMS, get_transform
 SOURCES = ("gsm8k_train", "coqa_stories", "file")
 DEFAULTS = {"source": "gsm8k_train", "path": None, "tokens": 2048, "chunk": 512}
 GSM8K_TRAIN = Path("gsm8k") / "train.jsonl"
-GSM8K_HUB = ("openai/gsm8k", "main", "train")
 
 
 # -- settings and checks (model-free, before anything loads) -----------------------------------------------------------
@@ -141,19 +140,10 @@ def calibration_text(s: dict[str, Any], data_dir: Path | None) -> tuple[str, str
 
         text = coqa_text(data_dir)
     else:
-        rows = _gsm8k_train(data_dir)
-        text = "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
+        from kvq_lab.tasks.text import gsm8k_text
+
+        text = gsm8k_text(data_dir if data_dir is not None and (data_dir / GSM8K_TRAIN).is_file() else None, "train", 600)
     return text, hashlib.sha256(text.encode()).hexdigest()
-
-
-def _gsm8k_train(data_dir: Path | None, n: int = 600) -> list[dict]:
-    """The first n GSM8K train rows (~100 tokens each), from the data dir, else the hub."""
-    if data_dir is not None and (data_dir / GSM8K_TRAIN).is_file():
-        lines = (data_dir / GSM8K_TRAIN).read_text().splitlines()
-        return [json.loads(x) for x in lines[:n] if x.strip()]
-    import datasets
-
-    return list(datasets.load_dataset(GSM8K_HUB[0], GSM8K_HUB[1], split=f"{GSM8K_HUB[2]}[:{n}]"))
 
 
 def token_ids(tok, text: str, s: Mapping[str, Any], task: Mapping | None = None):

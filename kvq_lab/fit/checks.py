@@ -37,16 +37,17 @@ def model_facts(model: str, head_dim: int | None = None):
     return f
 
 
-def check_model_features(cache: CacheConfig, facts, model: str, task) -> None:
+def check_model_features(cache: CacheConfig, facts, model: str, task, task_cfg) -> None:
     """What this model's files say it cannot do, before its weights load: a task that prompts through a chat template
     on a model without one, and keys quantized before RoPE (rope=pre) on a model whose RoPE differs between layer
     types, which kvq_lab's RoPE helper does not model yet (it would fail after the load)."""
     if facts is None:
         return
-    if getattr(task, "chat", False) and facts.chat_template is False:
+    if task.uses_chat(task_cfg) and facts.chat_template is False:
+        alt = f"{task.plain_prompt} or " if task.plain_prompt else ""
         raise ConfigError(
             f"task={task.name} prompts through the model's chat template, and model={model} has none (a base "
-            "model): use a chat/instruct model"
+            f"model): use {alt}a chat/instruct model"
         )
     if facts.rope_by_layer_type and cache.rope == "pre" and not cache.key.is_identity:
         raise ConfigError(

@@ -206,7 +206,7 @@ def build(cfg) -> RunConfig:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
     model = check_source(c["model"])
     facts = checks.model_facts(model, c["model"].get("head_dim"))
-    checks.check_model_features(cache, facts, model, TASKS[task_name])
+    checks.check_model_features(cache, facts, model, TASKS[task_name], c["task"])
     if cache.mode == "recompute":
         checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
     run = RunConfig(

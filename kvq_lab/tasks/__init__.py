@@ -146,9 +146,14 @@ class Task:
     headline: tuple[Metric, ...] = ()  # the columns of experiment tables (kvq_lab.report.tables), in order
     options: tuple[str, ...] = ("name",)  # the task.* keys this task reads
     chat: bool = False  # prompts go through the model's chat template (a model without one is refused before load)
+    plain_prompt: str | None = None  # the task.* setting that prompts without a chat template, where the task has one
     data: tuple[DataFile, ...] = ()
     hub: tuple[str, ...] = ()  # hub dataset ids (with config) read when no data dir is given
     limit_unit: str = "documents"
+
+    def uses_chat(self, task_cfg) -> bool:
+        """Whether this run's prompts go through the model's chat template (task options may choose plain text)."""
+        return self.chat
 
     def count_docs(self, rows: dict[str, list[dict]]) -> int | None:
         """Documents `limit` selects from, given the parsed rows of each data file (None: no bound to check)."""

@@ -1,7 +1,7 @@
 """`task=ppl`: decode-mode perplexity through the cache (kvq_lab/tasks/decode.py); options in conf/task/ppl.yaml.
 
-The text comes from `task.source` (kvq_lab/tasks/text.py): the CoQA stories, any UTF-8 file (`task.path`), or a hub
-dataset (`task.dataset`, `task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
+The text comes from `task.source` (kvq_lab/tasks/text.py): the CoQA stories, GSM8K's questions and answers
+(`task.split`; the long text), any UTF-8 file (`task.path`), or a hub dataset (`task.dataset`, `task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
 text too short for the windows are caught here, before the model loads.
 """
 
@@ -14,9 +14,9 @@ from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.metric import Metric
 from kvq_lab.tasks.chunks import MIN_N_CTX, PROTOCOLS
 from kvq_lab.tasks.text import OPTIONS as SOURCE_OPTIONS
-from kvq_lab.tasks.text import source_inputs
+from kvq_lab.tasks.text import source_files, source_inputs
 
-from . import Task, TaskContext, register_task
+from . import Task, TaskContext, read_data_file, register_task
 from .datasets import COQA_DATA, COQA_HUB
 
 if TYPE_CHECKING:  # the runner builds it; tasks only read it
@@ -29,7 +29,7 @@ class PplTask(Task):
     name = "ppl"
     options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prefill", "protocol", "n_ctx",
                "chunks")  # fmt: skip
-    data = (COQA_DATA,)  # read only when task.source=coqa_stories
+    data = (COQA_DATA,)  # the default source's file; check() reads the files of the run's task.source
     hub = (COQA_HUB,)
     limit_unit = "windows"
     headline = (Metric("ppl/ppl", "decode ppl", "lower"),)
@@ -37,8 +37,7 @@ class PplTask(Task):
     def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         from kvq_lab.tasks.decode import check_options
 
-        coqa = cfg.task.get("source") == "coqa_stories"
-        super().check(cfg, data_dir if coqa else None)  # options; the CoQA file only when it is the source
+        super().check(cfg, None)  # the options; the data files read are the source's (below)
         protocol = cfg.task.get("protocol")
         if protocol not in PROTOCOLS:
             raise ConfigError(f"task.protocol={protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
@@ -46,6 +45,9 @@ class PplTask(Task):
             check_options(cfg.task)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if data_dir is not None:
+            for f in source_files(cfg.task):
+                read_data_file(data_dir, f)
         n = _source_tokens(cfg, data_dir)
         t = cfg.task
         if t.get("protocol") == "chunks":
@@ -97,6 +99,8 @@ def _describe(t) -> str:
         return f"task.path={t.path}"
     if t.source == "hf":
         return f"{t.dataset}/{t.get('dataset_config')}:{t.split}"
+    if t.source == "gsm8k":
+        return f"GSM8K {t.split}"
     return "CoQA stories"
 
 
@@ -111,7 +115,7 @@ def _source_tokens(cfg: RunConfig, data_dir: Path | None) -> int | None:
     except FileNotFoundError:
         return None
     t = cfg.task
-    if not (src / "config.json").is_file() or (t.source == "coqa_stories" and data_dir is None):
+    if not (src / "config.json").is_file() or (t.source in ("coqa_stories", "gsm8k") and data_dir is None):
         return None
     key = (str(src), str(data_dir), repr(sorted((k, str(t.get(k))) for k in SOURCE_OPTIONS)))
     if key not in _TOKENS:

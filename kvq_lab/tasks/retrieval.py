@@ -12,9 +12,11 @@ Three kinds of sample, each a haystack of filler text of a chosen token length w
   "VAR FGHIJ = VAR ABCDE." later in the noise filler; the question asks for the value of the last variable
   (RULER asks for every variable holding the value; a single number keeps the scoring exact-match for all kinds).
 
-The prompt (chat template of the model, as an instruct model is used) is: user turn = instruction, blank line, the
-haystack, blank line, the question; then the assistant turn is opened with an answer prefix ("The pass key is")
-so the first generated tokens are the answer. `context_tokens` is the whole budget, prompt plus
+The prompt (`prompt=chat`, default: the model's chat template, for an instruct model) is: user turn = instruction,
+blank line, the haystack, blank line, the question; then the assistant turn is opened with an answer prefix ("The
+pass key is") so the first generated tokens are the answer. `prompt=plain` (a base model, which has no template):
+the same instruction, haystack, question and answer prefix as plain text separated by blank lines, after the BOS
+where the tokenizer adds one. `context_tokens` is the whole budget, prompt plus
 `max_new_tokens`; the haystack is filled until the tokenized prompt is as long as the budget allows.
 
 Score: exact match of the first run of digits in the response with the answer (`score`). Everything here is plain
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.metric import Metric
+from kvq_lab.tasks.chunks import bos_to_add
 
 from . import Task, TaskContext, register_task
 
@@ -41,6 +44,7 @@ if TYPE_CHECKING:  # the runner builds it; tasks only read it
     from kvq_lab.run.config import RunConfig
 
 KINDS = ("passkey", "needle", "variable_tracking")
+PROMPTS = ("chat", "plain")
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INSTRUCTION = {
@@ -109,11 +113,16 @@ def _hidden(kind: str, rng: random.Random) -> tuple[list[str], str, str, str]:
     raise ValueError(f"task.kind={kind!r}; choose one of: {', '.join(KINDS)}")
 
 
-def _assemble(tokenizer, kind: str, filler: list[str], hidden: list[str], at: list[int], question: str, prefix: str):
+def _assemble(
+    tokenizer, kind: str, filler: list[str], hidden: list[str], at: list[int], question: str, prefix: str, prompt: str
+):
     parts = list(filler)
     for i, stmt in sorted(zip(at, hidden, strict=True), key=lambda x: x[0], reverse=True):
         parts.insert(i, stmt)
     user = f"{INSTRUCTION[kind]}\n\n{' '.join(parts)}\n\n{question}"
+    if prompt == "plain":
+        bos = tokenizer.bos_token if bos_to_add(tokenizer) is not None else ""
+        return f"{bos}{user}\n\n{prefix}"
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
     )
@@ -124,11 +133,13 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def make_sample(tokenizer, kind: str, budget: int, depth: float, rng: random.Random) -> Sample:
+def make_sample(
+    tokenizer, kind: str, budget: int, depth: float, rng: random.Random, prompt: str = "chat"
+) -> Sample:
     """A prompt of at most `budget` tokens (as long as whole filler sentences allow) with the hidden statements at
     `depth` of the haystack (variable_tracking: the first at `depth`, the second halfway from there to the end)."""
     hidden, question, prefix, answer = _hidden(kind, rng)
-    base = _n_tokens(tokenizer, _assemble(tokenizer, kind, [], hidden, [0] * len(hidden), question, prefix))
+    base = _n_tokens(tokenizer, _assemble(tokenizer, kind, [], hidden, [0] * len(hidden), question, prefix, prompt))
     if base >= budget:
         raise ValueError(
             f"task.context_tokens leaves {budget} tokens for the prompt; the {kind} prompt alone needs {base}"
@@ -141,7 +152,7 @@ def make_sample(tokenizer, kind: str, budget: int, depth: float, rng: random.Ran
 
     def build(k: int) -> str:
         spots = [round(depth * k)] if len(hidden) == 1 else [round(depth * k), round((depth + (1 - depth) / 2) * k)]
-        return _assemble(tokenizer, kind, filler[:k], hidden, spots, question, prefix)
+        return _assemble(tokenizer, kind, filler[:k], hidden, spots, question, prefix, prompt)
 
     k = n
     text = build(k)
@@ -161,12 +172,20 @@ def depths(samples: int, depth: float | None) -> list[float]:
 
 
 def make_samples(
-    tokenizer, kind: str, context_tokens: int, samples: int, depth: float | None, seed: int, max_new_tokens: int
+    tokenizer,
+    kind: str,
+    context_tokens: int,
+    samples: int,
+    depth: float | None,
+    seed: int,
+    max_new_tokens: int,
+    prompt: str = "chat",
 ) -> list[Sample]:
     """`samples` prompts of `kind`, deterministic per (tokenizer, seed, settings): sample i uses its own
-    `random.Random((seed, kind, i))`, so a sample does not change when `samples` grows."""
+    `random.Random((seed, kind, i))`, so a sample does not change when `samples` grows (nor with `prompt`: the
+    haystack and answer are the same in both formats)."""
     return [
-        make_sample(tokenizer, kind, context_tokens - max_new_tokens, d, random.Random(f"{seed}/{kind}/{i}"))
+        make_sample(tokenizer, kind, context_tokens - max_new_tokens, d, random.Random(f"{seed}/{kind}/{i}"), prompt)
         for i, d in enumerate(depths(samples, depth))
     ]
 
@@ -246,7 +265,9 @@ def run_retrieval(ctx) -> dict[str, float]:
     n = int(t.samples) if ctx.limit is None else min(int(t.samples), ctx.limit)
     depth = None if t.get("depth") is None else float(t.depth)
     max_new = int(t.max_new_tokens)
-    items = make_samples(ctx.tokenizer, str(t.kind), int(t.context_tokens), n, depth, int(t.seed), max_new)
+    items = make_samples(
+        ctx.tokenizer, str(t.kind), int(t.context_tokens), n, depth, int(t.seed), max_new, str(t.get("prompt", "chat"))
+    )
     eos = {ctx.tokenizer.eos_token_id} | set(_as_list(ctx.model.generation_config.eos_token_id))
     ctx.progress.unit, ctx.progress.total = "samples", n
     rows, hits = [], 0
@@ -302,9 +323,13 @@ class RetrievalTask(Task):
 
     name = "retrieval"
     chat = True
+    plain_prompt = "task.prompt=plain"
     headline = (Metric("retrieval/acc", "retrieval EM", "higher", "%"),)
-    options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill")
+    options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill", "prompt")
     limit_unit = "samples"
+
+    def uses_chat(self, task_cfg) -> bool:
+        return task_cfg.get("prompt", "chat") == "chat"
 
     def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         super().check(cfg, data_dir)
@@ -322,6 +347,8 @@ class RetrievalTask(Task):
             raise ConfigError(f"task.depth={depth!r} must be a number in [0, 1] or null (spread over the samples)")
         if t.get("prefill") not in PREFILL:
             raise ConfigError(f"task.prefill={t.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
+        if t.get("prompt", "chat") not in PROMPTS:
+            raise ConfigError(f"task.prompt={t.get('prompt')!r}; choose one of: {', '.join(PROMPTS)}")
         limit = cfg.limit
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > samples:
             raise ConfigError(f"limit={limit} but task.samples={samples}; use limit<={samples} or limit=null")
@@ -334,7 +361,7 @@ class RetrievalTask(Task):
 
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         t = cfg.task
-        keys = ("kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens")
+        keys = ("kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prompt")
         return {"source": "generated", "generator": "kvq_lab.tasks.retrieval", **{k: t.get(k) for k in keys}}
 
     def run(self, ctx: TaskContext) -> dict[str, float]:

@@ -3,6 +3,9 @@ model loads (plain Python; `datasets` only for the hub source).
 
 - `coqa_stories`: the CoQA validation stories in file order (local file under the data dir, else the hub's
   `EleutherAI/coqa`), joined by blank lines.
+- `gsm8k`: GSM8K's `task.split` (test, default, or train) as "Question: ...\nAnswer: ..." blocks in file order joined
+  by blank lines (local file under the data dir, else the hub's `gsm8k`): ~150K tokens in test, the long source
+  (the CoQA stories hold ~7K); the calibration text is the first 600 train blocks of the same form.
 - `file`: any UTF-8 text file, `task.path=<file>` (read as is; a BOM is dropped).
 - `hf`: a hub dataset through `datasets.load_dataset(task.dataset, task.dataset_config, split=task.split)`, the
   rows' `task.text_field` joined by blank lines, as the Hugging Face perplexity guide joins wikitext
@@ -17,9 +20,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvq_lab.tasks.datasets import COQA_FILE, COQA_HUB
+from kvq_lab.tasks import DataFile
+from kvq_lab.tasks.datasets import COQA_DATA, COQA_FILE, COQA_HUB, GSM8K_CONFIG, GSM8K_FILES, GSM8K_HUB
 
-SOURCES = ("coqa_stories", "file", "hf")
+SOURCES = ("coqa_stories", "gsm8k", "file", "hf")
 OPTIONS = ("source", "path", "dataset", "dataset_config", "split", "text_field")  # the task.* keys read here
 
 _FILES: dict[tuple, tuple[str, str]] = {}  # (path, size, mtime) -> (text, sha256)
@@ -86,6 +90,27 @@ def coqa_text(data_dir: Path | None) -> str:
     return "\n\n".join(s.strip() for s in stories)
 
 
+def gsm8k_text(data_dir: Path | None, split: str, n: int | None = None) -> str:
+    """The first n (None: all) rows of GSM8K's `split` as "Question: q\nAnswer: a" blocks joined by blank lines."""
+    if data_dir is not None:
+        lines = (Path(data_dir) / GSM8K_FILES[split]).read_text().splitlines()
+        rows = [json.loads(x) for x in lines if x.strip()][:n]
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(GSM8K_HUB, GSM8K_CONFIG, split=split if n is None else f"{split}[:{n}]"))
+    return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
+
+
+def source_files(t) -> tuple[DataFile, ...]:
+    """The data-folder files the source reads (checked and hashed before any model loads)."""
+    if t.get("source") == "coqa_stories":
+        return (COQA_DATA,)
+    if t.get("source") == "gsm8k":
+        return (DataFile(GSM8K_FILES[t.split], "jsonl", ("question", "answer")),)
+    return ()
+
+
 def check_source(t) -> None:
     """Options of the source (and, for `file`, the file itself): ValueError with the fix. No download."""
     source = t.get("source")
@@ -93,6 +118,9 @@ def check_source(t) -> None:
         raise ValueError(f"task.source={source!r}; choose one of: {', '.join(SOURCES)}")
     if source == "file":
         read_text_file(_str_option(t, "path", "UTF-8 text file"))
+    elif source == "gsm8k":
+        if t.get("split") not in GSM8K_FILES:
+            raise ValueError(f"task.source=gsm8k reads task.split={t.get('split')!r}; choose one of: test, train")
     elif source == "hf":
         _str_option(t, "dataset", "hub dataset id, e.g. wikitext")
         _str_option(t, "split", "split, e.g. test")
@@ -108,6 +136,8 @@ def source_text(t, data_dir: Path | None) -> str:
         return read_text_file(t.path)[0]
     if t.source == "hf":
         return hub_text(str(t.dataset), t.get("dataset_config"), str(t.split), str(t.text_field))
+    if t.source == "gsm8k":
+        return gsm8k_text(data_dir, str(t.split))
     return coqa_text(data_dir)
 
 
@@ -118,6 +148,11 @@ def source_inputs(t, data_dir: Path | None) -> dict[str, Any]:
     if t.source == "hf":
         cfg = f"/{t.dataset_config}" if t.get("dataset_config") else ""
         return {"source": "hub", "datasets": [f"{t.dataset}{cfg}:{t.split}"], "field": t.text_field, "revision": None}
+    if t.source == "gsm8k":
+        if data_dir is None:
+            return {"source": "hub", "datasets": [f"{GSM8K_HUB}/{GSM8K_CONFIG}:{t.split}"], "revision": None}
+        rel = GSM8K_FILES[t.split]
+        return {"source": "local", "files": {rel: read_text_file(Path(data_dir) / rel)[1]}}
     if data_dir is None:
         return {"source": "hub", "datasets": [COQA_HUB], "revision": None}
     return {"source": "local", "files": {COQA_FILE: read_text_file(data_dir / COQA_FILE)[1]}}

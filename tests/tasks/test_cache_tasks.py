@@ -63,6 +63,21 @@ def test_retrieval_generator_is_deterministic_per_seed(kind, tok):
         assert not s.prompt.rstrip().endswith(s.answer)  # the answer is in the haystack, not in the prefix
 
 
+def test_retrieval_plain_prompt_is_the_chat_prompts_text_without_the_template(tok, monkeypatch):
+    """task.prompt=plain (a base model): the same instruction, haystack, question and answer prefix as plain text,
+    after the BOS only where the tokenizer adds one; the budget still holds."""
+    (chat,) = R.make_samples(tok, "needle", 400, 1, 0.5, seed=3, max_new_tokens=12)
+    (plain,) = R.make_samples(tok, "needle", 400, 1, 0.5, seed=3, max_new_tokens=12, prompt="plain")
+    assert plain.answer == chat.answer and "<|im_start|>" not in plain.prompt
+    assert plain.prompt.startswith(R.INSTRUCTION["needle"])  # SmolLM2's tokenizer adds no BOS
+    question = "What is the special magic number for"
+    assert plain.prompt.split(question)[1] == chat.prompt.split(question)[1].replace("<|im_end|>\n<|im_start|>assistant\n", "\n\n")
+    assert len(tok(plain.prompt, add_special_tokens=False)["input_ids"]) == plain.n_tokens <= 400 - 12
+    monkeypatch.setattr(R, "bos_to_add", lambda t: 0)  # a tokenizer that adds a BOS (Gemma's)
+    (with_bos,) = R.make_samples(tok, "needle", 400, 1, 0.5, seed=3, max_new_tokens=12, prompt="plain")
+    assert with_bos.prompt.startswith(tok.bos_token + R.INSTRUCTION["needle"])
+
+
 def test_retrieval_depth_places_the_fact(tok):
     (start,) = R.make_samples(tok, "needle", 600, 1, 0.0, seed=1, max_new_tokens=12)
     (end,) = R.make_samples(tok, "needle", 600, 1, 1.0, seed=1, max_new_tokens=12)
@@ -140,6 +155,7 @@ def test_smollm2_at_16_bits_finds_the_needle_at_512_tokens(data_dir, tmp_path):
         ("task.context_tokens=8192", "exceeds the model's 4096 positions"),
         ("task.context_tokens=100", r"task.context_tokens=100 must be an integer >= 140"),
         ("limit=20", "limit=20 but task.samples=10"),
+        ("task.prompt=html", "task.prompt='html'; choose one of: chat, plain"),
     ],
 )
 def test_retrieval_bad_options_fail_before_load(override, match, tiny_model_dir, data_dir, tmp_path):
@@ -201,6 +217,28 @@ def test_a_text_file_is_a_source(task, tiny_model_dir, data_dir, tmp_path):
     assert m[f"{task}/n_tokens"] == 32
     data = _record(tmp_path / "res")["inputs"]["data"]
     assert data["source"] == "file" and data["path"] == str(f) and len(data["sha256"]) == 64
+
+
+def test_gsm8k_is_a_long_text_source(tiny_model_dir, data_dir, tmp_path):
+    """task.source=gsm8k: the split's questions and answers in file order, its file hashed in the record; a bad split
+    or a data folder without the file fails before load."""
+    from kvq_lab.tasks.text import gsm8k_text
+
+    text = gsm8k_text(data_dir, "test")
+    first = json.loads((data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[0])
+    assert text.startswith(f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: ")
+    assert text.count("Question: ") == 1319 and gsm8k_text(data_dir, "train", 2).count("Question: ") == 2
+    args = tiny_args(tiny_model_dir, tmp_path / "res", data_dir, task="ppl")
+    args += ["task.context_tokens=32", "task.eval_tokens=16", "task.windows=2", "task.source=gsm8k"]
+    assert run(compose(args))["ppl/n_tokens"] == 32
+    data = _record(tmp_path / "res")["inputs"]["data"]
+    assert data["source"] == "local" and list(data["files"]) == ["gsm8k/test.jsonl"]
+    with pytest.raises(ConfigError, match=r"^task.source=gsm8k reads task.split='dev'; choose one of: test, train"):
+        validate(compose([*args, "task.split=dev"]))
+    empty = tmp_path / "data"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"^data file gsm8k/test.jsonl under data_dir=.* not found"):
+        validate(compose(tiny_args(tiny_model_dir, tmp_path, empty, task="ppl") + ["task.source=gsm8k"]))
 
 
 def test_bad_text_sources_fail_before_load(tiny_model_dir, data_dir, tmp_path):
