@@ -20,7 +20,6 @@ model; torch is imported inside `token_ids`, so validation stays torch-free.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -142,7 +141,9 @@ def calibration_text(s: dict[str, Any], data_dir: Path | None) -> tuple[str, str
     else:
         from kvq_lab.tasks.text import gsm8k_text
 
-        text = gsm8k_text(data_dir if data_dir is not None and (data_dir / GSM8K_TRAIN).is_file() else None, "train", 600)
+        text = gsm8k_text(
+            data_dir if data_dir is not None and (data_dir / GSM8K_TRAIN).is_file() else None, "train", 600
+        )
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -1,7 +1,8 @@
 """`task=ppl`: decode-mode perplexity through the cache (kvq_lab/tasks/decode.py); options in conf/task/ppl.yaml.
 
 The text comes from `task.source` (kvq_lab/tasks/text.py): the CoQA stories, GSM8K's questions and answers
-(`task.split`; the long text), any UTF-8 file (`task.path`), or a hub dataset (`task.dataset`, `task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
+(`task.split`; the long text), any UTF-8 file (`task.path`), or a hub dataset (`task.dataset`,
+`task.dataset_config`, `task.split`, `task.text_field`). A missing or non-UTF-8 file and a
 text too short for the windows are caught here, before the model loads.
 """
 

@@ -133,9 +133,7 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def make_sample(
-    tokenizer, kind: str, budget: int, depth: float, rng: random.Random, prompt: str = "chat"
-) -> Sample:
+def make_sample(tokenizer, kind: str, budget: int, depth: float, rng: random.Random, prompt: str = "chat") -> Sample:
     """A prompt of at most `budget` tokens (as long as whole filler sentences allow) with the hidden statements at
     `depth` of the haystack (variable_tracking: the first at `depth`, the second halfway from there to the end)."""
     hidden, question, prefix, answer = _hidden(kind, rng)

@@ -361,7 +361,9 @@ def test_what_a_models_files_say_it_cannot_do_is_refused_before_load(data_dir):
     if loading.embedded_gguf("gemma3-270m") is None:
         pytest.skip("gemma3-270m is not installed (scripts/setup.sh)")
     args = ["model=gemma3-270m", f"data_dir={data_dir}", "logger=none"]
-    with pytest.raises(ConfigError, match=r"^task=retrieval prompts through the model's chat template.*task.prompt=plain"):
+    with pytest.raises(
+        ConfigError, match=r"^task=retrieval prompts through the model's chat template.*task.prompt=plain"
+    ):
         validate(compose([*args, "task=retrieval"]))
     validate(compose([*args, "task=retrieval", "task.prompt=plain"]))
     with pytest.raises(ConfigError, match=r"^rope=pre \(rope_pre\) on model=gemma3-270m: .*use rope=post"):

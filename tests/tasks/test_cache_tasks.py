@@ -71,7 +71,9 @@ def test_retrieval_plain_prompt_is_the_chat_prompts_text_without_the_template(to
     assert plain.answer == chat.answer and "<|im_start|>" not in plain.prompt
     assert plain.prompt.startswith(R.INSTRUCTION["needle"])  # SmolLM2's tokenizer adds no BOS
     question = "What is the special magic number for"
-    assert plain.prompt.split(question)[1] == chat.prompt.split(question)[1].replace("<|im_end|>\n<|im_start|>assistant\n", "\n\n")
+    assert plain.prompt.split(question)[1] == chat.prompt.split(question)[1].replace(
+        "<|im_end|>\n<|im_start|>assistant\n", "\n\n"
+    )
     assert len(tok(plain.prompt, add_special_tokens=False)["input_ids"]) == plain.n_tokens <= 400 - 12
     monkeypatch.setattr(R, "bos_to_add", lambda t: 0)  # a tokenizer that adds a BOS (Gemma's)
     (with_bos,) = R.make_samples(tok, "needle", 400, 1, 0.5, seed=3, max_new_tokens=12, prompt="plain")
