@@ -29,10 +29,11 @@ from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.quant.formats import FORMATS
 from kvq_lab.quant.transforms import TRANSFORMS, get_transform
+from kvq_lab.tasks.datasets import GSM8K_FILES
 
 SOURCES = ("gsm8k_train", "coqa_stories", "file")
 DEFAULTS = {"source": "gsm8k_train", "path": None, "tokens": 2048, "chunk": 512}
-GSM8K_TRAIN = Path("gsm8k") / "train.jsonl"
+GSM8K_TRAIN = Path(GSM8K_FILES["train"])
 
 
 # -- settings and checks (model-free, before anything loads) -----------------------------------------------------------

@@ -116,7 +116,7 @@ def _source_tokens(cfg: RunConfig, data_dir: Path | None) -> int | None:
     except FileNotFoundError:
         return None
     t = cfg.task
-    if not (src / "config.json").is_file() or (t.source in ("coqa_stories", "gsm8k") and data_dir is None):
+    if not (src / "config.json").is_file() or (source_files(t) and data_dir is None):
         return None
     key = (str(src), str(data_dir), repr(sorted((k, str(t.get(k))) for k in SOURCE_OPTIONS)))
     if key not in _TOKENS:

@@ -15,13 +15,12 @@ model loads (plain Python; `datasets` only for the hub source).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from kvq_lab.tasks import DataFile
-from kvq_lab.tasks.datasets import COQA_DATA, COQA_FILE, COQA_HUB, GSM8K_CONFIG, GSM8K_FILES, GSM8K_HUB
+from kvq_lab.tasks import DataFile, read_data_file
+from kvq_lab.tasks.datasets import COQA_DATA, COQA_HUB, GSM8K_CONFIG, GSM8K_DATA, GSM8K_FILES, GSM8K_HUB
 
 SOURCES = ("coqa_stories", "gsm8k", "file", "hf")
 OPTIONS = ("source", "path", "dataset", "dataset_config", "split", "text_field")  # the task.* keys read here
@@ -81,8 +80,7 @@ def hub_text(dataset: str, config: str | None, split: str, field: str) -> str:
 def coqa_text(data_dir: Path | None) -> str:
     data_dir = data_dir or (Path(os.environ["KVQ_DATA_DIR"]) if os.environ.get("KVQ_DATA_DIR") else None)
     if data_dir is not None:
-        rows = [json.loads(line) for line in (data_dir / COQA_FILE).read_text().splitlines() if line.strip()]
-        stories = [r["story"] for r in rows]
+        stories = [r["story"] for r in read_data_file(Path(data_dir), COQA_DATA)[0]]
     else:
         import datasets
 
@@ -92,9 +90,8 @@ def coqa_text(data_dir: Path | None) -> str:
 
 def gsm8k_text(data_dir: Path | None, split: str, n: int | None = None) -> str:
     """The first n (None: all) rows of GSM8K's `split` as "Question: q\nAnswer: a" blocks joined by blank lines."""
-    if data_dir is not None:
-        lines = (Path(data_dir) / GSM8K_FILES[split]).read_text().splitlines()
-        rows = [json.loads(x) for x in lines if x.strip()][:n]
+    if data_dir is not None:  # parsed and checked once per file (read_data_file), as validation read it
+        rows = read_data_file(Path(data_dir), _gsm8k_file(split))[0][:n]
     else:
         import datasets
 
@@ -102,12 +99,16 @@ def gsm8k_text(data_dir: Path | None, split: str, n: int | None = None) -> str:
     return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
 
 
+def _gsm8k_file(split: str) -> DataFile:
+    return next(f for f in GSM8K_DATA if f.rel == GSM8K_FILES[split])
+
+
 def source_files(t) -> tuple[DataFile, ...]:
     """The data-folder files the source reads (checked and hashed before any model loads)."""
     if t.get("source") == "coqa_stories":
         return (COQA_DATA,)
     if t.get("source") == "gsm8k":
-        return (DataFile(GSM8K_FILES[t.split], "jsonl", ("question", "answer")),)
+        return (_gsm8k_file(t.split),)
     return ()
 
 
@@ -142,17 +143,13 @@ def source_text(t, data_dir: Path | None) -> str:
 
 
 def source_inputs(t, data_dir: Path | None) -> dict[str, Any]:
-    """What the numbers are computed from: the file's content hash, the hub dataset, or the CoQA file's hash."""
+    """What the numbers are computed from: the file's content hash, the hub dataset, or the data files' hashes."""
     if t.source == "file":
         return {"source": "file", "path": str(Path(t.path).expanduser().resolve()), "sha256": read_text_file(t.path)[1]}
     if t.source == "hf":
         cfg = f"/{t.dataset_config}" if t.get("dataset_config") else ""
         return {"source": "hub", "datasets": [f"{t.dataset}{cfg}:{t.split}"], "field": t.text_field, "revision": None}
-    if t.source == "gsm8k":
-        if data_dir is None:
-            return {"source": "hub", "datasets": [f"{GSM8K_HUB}/{GSM8K_CONFIG}:{t.split}"], "revision": None}
-        rel = GSM8K_FILES[t.split]
-        return {"source": "local", "files": {rel: read_text_file(Path(data_dir) / rel)[1]}}
-    if data_dir is None:
-        return {"source": "hub", "datasets": [COQA_HUB], "revision": None}
-    return {"source": "local", "files": {COQA_FILE: read_text_file(data_dir / COQA_FILE)[1]}}
+    if data_dir is not None:  # the data folder's files, by the sha256 of their bytes
+        return {"source": "local", "files": {f.rel: read_data_file(Path(data_dir), f)[1] for f in source_files(t)}}
+    hub = f"{GSM8K_HUB}/{GSM8K_CONFIG}:{t.split}" if t.source == "gsm8k" else COQA_HUB
+    return {"source": "hub", "datasets": [hub], "revision": None}
