@@ -198,38 +198,6 @@ def score(response: str, answer: str) -> bool:
     return m is not None and m.group(0) == answer
 
 
-# Exact prefills of the current prompts, shared by the runs of one process (a sweep over caches at one length pays
-# each prefill once): prompt ids -> (K/V per layer [1, H_kv, T, D] each, last-position logits [1, V]). Bounded in
-# bytes (SmolLM2 at 8192 tokens: 377 MB a prompt, so 10 prompts fit). When full, a new prompt is computed but not
-# kept: a sweep visits the same prompts in the same order, and least-recently-used eviction would then drop each
-# prompt just before its next use and never hit once the prompts outgrow the bound; keeping the first ones hits
-# for all of them every run.
-_PREFILLS: dict[tuple, tuple[list, object]] = {}
-PREFILL_MEMO_BYTES = 4 * 2**30
-
-
-def _prefill_bytes(entry) -> int:
-    return sum(k.numel() * k.element_size() * 2 for k, _ in entry[0])
-
-
-def exact_prefill(model, ids):
-    """ids [1, T] -> (per-layer (keys, values) of an exact DynamicCache prefill, logits [1, V] of the last position);
-    memoized per (model, ids) within the process, up to PREFILL_MEMO_BYTES."""
-    from transformers import DynamicCache
-
-    from kvq_lab.models.loading import cache_kwarg
-
-    key = (id(model), model.name_or_path, tuple(ids[0].tolist()))
-    if key in _PREFILLS:
-        return _PREFILLS[key]
-    dyn = DynamicCache()
-    logits = model(input_ids=ids, **{cache_kwarg(): dyn}, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-    out = ([(layer.keys, layer.values) for layer in dyn.layers], logits)
-    if sum(_prefill_bytes(e) for e in _PREFILLS.values()) + _prefill_bytes(out) <= PREFILL_MEMO_BYTES:
-        _PREFILLS[key] = out
-    return out
-
-
 def greedy(model, cache, logits, max_new_tokens: int, eos: set[int]) -> list[int]:
     """Greedy decoding from a filled cache: logits [1, V] of the last prompt position -> generated ids (stops after
     an EOS id, which is kept, or after max_new_tokens). Each step attends to the cache as the quantizer left it."""
@@ -272,12 +240,7 @@ def run_retrieval(ctx) -> dict[str, float]:
     for i, s in enumerate(items):
         ids = torch.tensor([ctx.tokenizer(s.prompt, add_special_tokens=False)["input_ids"]], device=ctx.model.device)
         cache = ctx.make_cache() or DynamicCache()
-        if str(t.prefill) == "exact" and not getattr(cache, "needs_forward", False):  # recompute: exact via forward
-            kv, logits = exact_prefill(ctx.model, ids)
-            for layer, (k, v) in enumerate(kv):  # clones: the memo's tensors must outlive this cache unchanged
-                cache.update(k.clone(), v.clone(), layer, {})
-        else:
-            logits = prefill(ctx.model, cache, ids, exact=False)
+        logits = prefill(ctx.model, cache, ids, exact=str(t.prefill) == "exact")
         new = greedy(ctx.model, cache, logits, max_new, eos)
         response = ctx.tokenizer.decode(new, skip_special_tokens=True)
         ok = score(response, s.answer)

@@ -19,6 +19,7 @@ from kvq_lab.records.record import load_records
 from kvq_lab.run.config import ConfigError, validate
 from kvq_lab.run.runner import run
 from kvq_lab.tasks import behavior as B
+from kvq_lab.tasks import decode as D
 from kvq_lab.tasks import retrieval as R
 from kvq_lab.tasks.fidelity import compare, curve
 
@@ -103,24 +104,25 @@ def test_greedy_from_an_exact_prefill_equals_generate(tiny_model, tok):
     ref = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     cfg = CacheConfig(QuantSpec(16, 32, "token"), QuantSpec(16, 32, "token"))
     cache = QuantizedKVCache.for_model(tiny_model, cfg)
-    kv, logits = R.exact_prefill(tiny_model, ids)
-    for layer, (k, v) in enumerate(kv):
-        cache.update(k.clone(), v.clone(), layer, {})
+    logits = D.prefill(tiny_model, cache, ids, exact=True)
+    kv_before = [(k.clone(), v.clone()) for k, v in D.exact_prefill(tiny_model, ids)[0]]
     assert R.greedy(tiny_model, cache, logits, 10, eos=set()) == ref[0, 40:].tolist()
-    assert R.exact_prefill(tiny_model, ids)[1] is logits  # memoized
+    assert D.exact_prefill(tiny_model, ids)[1] is logits  # memoized
+    for (k, v), (k0, v0) in zip(D.exact_prefill(tiny_model, ids)[0], kv_before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)  # decoding through the cache left the memo unchanged
 
 
 @torch.inference_mode()
 def test_prefill_memo_keeps_hitting_when_a_sweep_outgrows_it(tiny_model, monkeypatch):
     """Three prompts visited in turn, room for two: the first two stay memoized and hit on every later pass (an
     LRU memo would evict each prompt just before its next use and never hit)."""
-    monkeypatch.setattr(R, "_PREFILLS", {})
+    monkeypatch.setattr(D, "_PREFILLS", {})
     prompts = [torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    one = R._prefill_bytes(R.exact_prefill(tiny_model, prompts[0]))
-    R._PREFILLS.clear()
-    monkeypatch.setattr(R, "PREFILL_MEMO_BYTES", 2 * one)
-    first = [R.exact_prefill(tiny_model, p)[1] for p in prompts]
-    again = [R.exact_prefill(tiny_model, p)[1] for p in prompts]
+    one = D._prefill_bytes(D.exact_prefill(tiny_model, prompts[0]))
+    D._PREFILLS.clear()
+    monkeypatch.setattr(D, "PREFILL_MEMO_BYTES", 2 * one)
+    first = [D.exact_prefill(tiny_model, p)[1] for p in prompts]
+    again = [D.exact_prefill(tiny_model, p)[1] for p in prompts]
     assert [a is b for a, b in zip(first, again, strict=True)] == [True, True, False]
     torch.testing.assert_close(first[2], again[2])  # recomputed, same values
 
