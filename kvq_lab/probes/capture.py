@@ -23,7 +23,9 @@ class LayerCapture:
     """What one attention layer consumed in one forward pass (batch 1, no cache: T queries over T keys).
 
     query: [H, T, D] post-RoPE; key, value: [H_kv, T, D] (key post-RoPE); output: [H, T, D] the model's own
-    attention output (before o_proj). scaling: the softmax scale; groups: H // H_kv (GQA).
+    attention output (before o_proj). scaling: the softmax scale; groups: H // H_kv (GQA). window: a sliding-window
+    layer's window (a query sees itself and the window - 1 keys before it; Gemma 3: 512), None for a global layer;
+    softcap: the score soft cap (tanh(s / cap) * cap, Gemma 2), None where there is none.
     """
 
     layer: int
@@ -33,6 +35,8 @@ class LayerCapture:
     output: torch.Tensor
     scaling: float
     groups: int
+    window: int | None = None
+    softcap: float | None = None
 
 
 def _eager_default(module) -> Callable:
@@ -74,6 +78,8 @@ def capture_attention(model):
                 output=out[0].transpose(0, 1).detach(),  # [T, H, D] -> [H, T, D]
                 scaling=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
                 groups=query.shape[1] // key.shape[1],
+                window=kwargs.get("sliding_window", getattr(module, "sliding_window", None)) or None,
+                softcap=kwargs.get("softcap") or None,
             )
         )
         return out, weights

@@ -7,14 +7,16 @@ quantizer in isolation, exact inputs at every layer):
               fake quant, partial per-channel groups zero-padded as KIVI's fake quant; sink tokens exact; the cache
               config's transforms applied before quantization and undone after, e.g. rope=pre: K un-rotated,
               quantized, re-rotated at its positions; hadamard: rotated, quantized, rotated back)
-    A       = softmax(q K^T * scaling + causal mask)          A' = softmax(q K'^T * scaling + causal mask)
+    A       = softmax(q K^T * scaling + mask)          A' = softmax(q K'^T * scaling + mask)
+              (mask: causal; on a sliding-window layer also the window, as the model attends; the score soft cap
+              where the model has one)
     O       = A V        O_k = A' V  (only K quantized)        O_v = A V'  (only V quantized, A exact, as KIVI)
     O_kv    = A' V'  (both)
 
 Quantities (one value per head; key/value per KV head, the rest per query head; GQA: query head h reads KV head
 h // groups):
     key, value          reconstruction error of K', V' over [T, D]
-    attn_score          A vs A' over the causal [T, T] (all prefill rows)
+    attn_score          A vs A' over the masked [T, T] (all prefill rows)
     attn_out_k, attn_out_v, attn_out     O vs O_k, O_v, O_kv over [T, D]
     *_decode            the same on the last query row only ([T] for scores, [D] for outputs): what one decode
                         step after this prompt would see
@@ -62,13 +64,29 @@ def quantize_kv(
     return kq, vq
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, scaling: float, groups: int) -> torch.Tensor:
-    """Causal attention probabilities A [H, T, T] (fp32) from q [H, T, D] and k [H_kv, T, D], GQA expanded."""
-    T = q.shape[-2]
+def visible(T: int, window: int | None, device=None) -> torch.Tensor:
+    """[T, T] bool: which keys each query sees. Causal; with a sliding window, query i sees keys i - window + 1..i
+    (transformers' sliding-window mask)."""
+    i = torch.arange(T, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) if window is None else (d >= 0) & (d < window)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scaling: float,
+    groups: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention probabilities A [H, T, T] (fp32) from q [H, T, D] and k [H_kv, T, D], GQA expanded: causal, within
+    `window` on a sliding-window layer, scores soft-capped where the model caps them."""
     kx = k.float().repeat_interleave(groups, dim=0)
     s = torch.matmul(q.float(), kx.transpose(-1, -2)) * scaling
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    s = s.masked_fill(~causal, -torch.inf)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible(q.shape[-2], window, q.device), -torch.inf)
     return torch.softmax(s, dim=-1)
 
 
@@ -84,8 +102,9 @@ def layer_errors(
     kq, vq = quantize_kv(k, v, cache.for_layer(cap.layer), rope)  # the layer's fitted quantizers (calibration)
     vx, vqx = v.repeat_interleave(g, dim=0), vq.repeat_interleave(g, dim=0)
 
-    a = attention(q, k, cap.scaling, g)
-    aq = a if torch.equal(kq, k) else attention(q, kq, cap.scaling, g)  # 16-bit keys, no transform: A itself
+    a = attention(q, k, cap.scaling, g, cap.window, cap.softcap)
+    # 16-bit keys, no transform: A itself
+    aq = a if torch.equal(kq, k) else attention(q, kq, cap.scaling, g, cap.window, cap.softcap)
     o = a @ vx
     pairs = {
         "key": (k, kq),
@@ -98,12 +117,11 @@ def layer_errors(
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name, (x, xq) in pairs.items():
         out[name] = all_errors(x, xq, dims=(-2, -1), eps=settings.kivi_eps)
-        if name not in KV_QUANTITIES:  # decode row: the last query attends to the whole prompt
+        if name not in KV_QUANTITIES:  # decode row: the last query attends to the whole prompt (or its window)
             out[f"{name}_decode"] = all_errors(x[:, -1], xq[:, -1], dims=-1, eps=settings.kivi_eps)
-    T = a.shape[-1]
-    visible = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
-    out["sparsity"] = {"value": sparsity(a, visible, settings.sparsity_rel)}
-    out["sparsity_decode"] = {"value": sparsity(a[:, -1:], visible[-1:], settings.sparsity_rel)}
+    seen = visible(a.shape[-1], cap.window, a.device)
+    out["sparsity"] = {"value": sparsity(a, seen, settings.sparsity_rel)}
+    out["sparsity_decode"] = {"value": sparsity(a[:, -1:], seen[-1:], settings.sparsity_rel)}
     kname = f"top{settings.topk}_mass"
     out[kname] = {"value": topk_mass(a, settings.topk)}
     out[f"{kname}_decode"] = {"value": topk_mass(a[:, -1:], settings.topk)}
@@ -112,5 +130,5 @@ def layer_errors(
 
 def reference_output(cap: LayerCapture) -> torch.Tensor:
     """A V [H, T, D] recomputed from the captured q/k/v: must equal `cap.output` (the model's own attention)."""
-    a = attention(cap.query, cap.key, cap.scaling, cap.groups)
+    a = attention(cap.query, cap.key, cap.scaling, cap.groups, cap.window, cap.softcap)
     return a @ cap.value.float().repeat_interleave(cap.groups, dim=0)

@@ -29,6 +29,12 @@ class ProbeResult:
     tokens: list[int] = field(default_factory=list)  # length of each measured prompt
     num_heads: int = 0
     num_kv_heads: int = 0
+    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None = global
+
+    def attention_kind(self, layer: int) -> str:
+        """`sliding <window>` or `global`: what the layer's queries attend to."""
+        w = self.windows[layer] if layer < len(self.windows) else None
+        return "global" if w is None else f"sliding {w}"
 
     def mean(self, quantity: str, definition: str) -> float:
         """Mean over layers and heads (KIVI Table 2's average)."""
@@ -62,10 +68,12 @@ def probe_model(
     device = next(model.parameters()).device
 
     sums: dict[str, dict[str, torch.Tensor]] = {}
-    tokens = []
+    tokens: list[int] = []
+    windows: list[int | None] = []
     for i, ids in enumerate(input_ids):
         caps = capture_qkv(model, ids.to(device))
         per_layer = [layer_errors(c, cache.for_layer(i), settings, rope) for i, c in enumerate(caps)]  # per-layer specs
+        windows = [c.window for c in caps]
         del caps
         for qname in per_layer[0]:
             for d in per_layer[0][qname]:
@@ -76,4 +84,4 @@ def probe_model(
         log.info("probe %d/%d: %d tokens", i + 1, len(input_ids), ids.shape[-1])
     n = len(input_ids)
     tables = {q: {d: t / n for d, t in ds.items()} for q, ds in sums.items()}
-    return ProbeResult(tables, n, tokens, text_cfg.num_attention_heads, text_cfg.num_key_value_heads)
+    return ProbeResult(tables, n, tokens, text_cfg.num_attention_heads, text_cfg.num_key_value_heads, windows)

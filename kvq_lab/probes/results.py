@@ -48,10 +48,13 @@ def head_table(res: ProbeResult) -> tuple[list[str], list[list]]:
 
 
 def layer_table(res: ProbeResult) -> tuple[list[str], list[list]]:
-    """One row per layer: each column's mean over heads."""
-    cols = ["layer", *_columns(res)]
+    """One row per layer: its attention (`sliding <window>` or `global`), then each column's mean over heads."""
+    cols = ["layer", "attention", *_columns(res)]
     L = next(iter(next(iter(res.tables.values())).values())).shape[0]
-    rows = [[layer] + [_num(ds[d][layer].mean()) for ds in res.tables.values() for d in ds] for layer in range(L)]
+    rows = [
+        [layer, res.attention_kind(layer)] + [_num(ds[d][layer].mean()) for ds in res.tables.values() for d in ds]
+        for layer in range(L)
+    ]
     return cols, rows
 
 
@@ -118,7 +121,10 @@ def layer_plot(res: ProbeResult, out_dir: Path, title: str = "") -> Path:
         for q in ERROR_QUANTITIES:
             if q in res.tables and not q.endswith("_decode"):
                 ax.plot(res.tables[q][d].mean(-1).numpy(), marker=".", label=q)
-        ax.set_xlabel("layer")
+        if any(res.windows):  # a model with sliding-window layers: mark its global ones
+            for layer in (i for i, w in enumerate(res.windows) if w is None):
+                ax.axvline(layer, color="grey", ls=":", lw=1)
+        ax.set_xlabel("layer (dotted: global attention)" if any(res.windows) else "layer")
         ax.set_title(d)
         ax.set_yscale("linear" if ERRORS[d].unit == "dB" else "log")
         ax.grid(alpha=0.3)

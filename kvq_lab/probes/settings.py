@@ -26,7 +26,8 @@ class ProbeSettings:
     """Probe options (conf/task/probe.yaml for task=probe; the `probes:` block of conf/config.yaml for probe=true).
 
     n_prompts: prompts measured; max_tokens: each prompt truncated to this many tokens; source: where prompts come
-    from (`coqa` stories, or `task` = the running task's own prompts, falling back to coqa);
+    from (`coqa` stories; task=probe also `gsm8k`, long pieces of GSM8K's test text; probe=true also `task` = the
+    running task's own prompts, falling back to coqa);
     kivi_eps: guard of `kivi_ratio`; sparsity_rel: a weight below sparsity_rel x row max counts as sparse;
     topk: k of `top{k}_mass`; figures: write heat-map PNGs next to the record.
     """

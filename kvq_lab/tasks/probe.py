@@ -14,7 +14,8 @@ from kvq_lab.common.errors import ConfigError
 from kvq_lab.probes.settings import ProbeSettings
 
 from . import Task, TaskContext, read_data_file, register_task
-from .datasets import COQA_DATA, COQA_HUB, coqa_prompt, load_coqa
+from .datasets import COQA_DATA, COQA_HUB, GSM8K_CONFIG, GSM8K_HUB, coqa_prompt, load_coqa
+from .text import gsm8k_file, gsm8k_text
 
 log = logging.getLogger("kvq_lab")
 
@@ -37,7 +38,16 @@ def coqa_task_prompts(data_dir: Path | None, n: int) -> list[str]:
     return [coqa_prompt(d) for d in _coqa_docs(data_dir, n)]
 
 
-SOURCES = {"coqa": coqa_stories}
+def gsm8k_pieces(data_dir: Path | None, n: int) -> list[str]:
+    """GSM8K's test split as one long text (kvq_lab.tasks.text.gsm8k_text, ~150K tokens), cut into n consecutive
+    pieces of equal characters: long prompts (task.max_tokens up to the model's context) for the probes past a
+    sliding window."""
+    text = gsm8k_text(data_dir, "test")
+    size = len(text) // n
+    return [text[i * size : (i + 1) * size] for i in range(n)]
+
+
+SOURCES = {"coqa": coqa_stories, "gsm8k": gsm8k_pieces}
 # The running task's own prompts, for probe=true (keep="tail": a long prompt keeps its end, where generation starts).
 TASK_PROMPTS = {"coqa": coqa_task_prompts, "coqa_turns": coqa_task_prompts}
 
@@ -61,9 +71,20 @@ class ProbeTask(Task):
 
     name = "probe"
     options = ("name", *ProbeSettings.__dataclass_fields__)
-    data = (COQA_DATA,)
+    data = (COQA_DATA,)  # source=coqa; source=gsm8k reads GSM8K's test split (_files)
     hub = (COQA_HUB,)
     limit_unit = "CoQA stories"
+
+    @staticmethod
+    def _files(source: str) -> tuple:
+        return (gsm8k_file("test"),) if source == "gsm8k" else (COQA_DATA,)
+
+    def inputs(self, cfg, data_dir):
+        source = _settings(cfg.task).source
+        if data_dir is None:
+            hub = f"{GSM8K_HUB}/{GSM8K_CONFIG}:test" if source == "gsm8k" else COQA_HUB
+            return {"source": "hub", "datasets": [hub], "revision": None}
+        return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self._files(source)}}
 
     def count_docs(self, rows):
         return len(rows[COQA_DATA.rel])
@@ -77,6 +98,11 @@ class ProbeTask(Task):
             raise ConfigError(
                 f"task.source={s.source!r} is not a probe prompt source; choose one of: {', '.join(SOURCES)}"
             )
+        if s.source == "gsm8k":
+            if data_dir is not None:
+                for f in self._files(s.source):
+                    read_data_file(data_dir, f)  # present and parseable, before any model loads
+            return super().check(cfg, None)  # the options only: the CoQA file is not read
         super().check(cfg, data_dir)
         if data_dir is not None and s.n_prompts > self.count_docs({COQA_DATA.rel: _coqa_docs(data_dir, 10**9)}):
             n = len(_coqa_docs(data_dir, 10**9))

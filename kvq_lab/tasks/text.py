@@ -91,7 +91,7 @@ def coqa_text(data_dir: Path | None) -> str:
 def gsm8k_text(data_dir: Path | None, split: str, n: int | None = None) -> str:
     """The first n (None: all) rows of GSM8K's `split` as "Question: q\nAnswer: a" blocks joined by blank lines."""
     if data_dir is not None:  # parsed and checked once per file (read_data_file), as validation read it
-        rows = read_data_file(Path(data_dir), _gsm8k_file(split))[0][:n]
+        rows = read_data_file(Path(data_dir), gsm8k_file(split))[0][:n]
     else:
         import datasets
 
@@ -99,7 +99,8 @@ def gsm8k_text(data_dir: Path | None, split: str, n: int | None = None) -> str:
     return "\n\n".join(f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows)
 
 
-def _gsm8k_file(split: str) -> DataFile:
+def gsm8k_file(split: str) -> DataFile:
+    """The data-folder file of GSM8K's `split` (test or train)."""
     return next(f for f in GSM8K_DATA if f.rel == GSM8K_FILES[split])
 
 
@@ -108,7 +109,7 @@ def source_files(t) -> tuple[DataFile, ...]:
     if t.get("source") == "coqa_stories":
         return (COQA_DATA,)
     if t.get("source") == "gsm8k":
-        return (_gsm8k_file(t.split),)
+        return (gsm8k_file(t.split),)
     return ()
 
 

@@ -351,6 +351,26 @@ def test_padded_batch_generates_what_each_prompt_generates_alone(name, mode):
         assert torch.equal(out[b : b + 1], gen(model, QuantizedKVCache.for_model(model, cfg), p[None], 20)), b
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_probes_recompute_each_layers_own_attention(name):
+    """The error probes recompute attention from the captured q/k/v: on every layer type (a sliding-window layer
+    past its window included) that must be the attention the model computed, and a 16-bit cache must measure zero
+    error everywhere."""
+    from kvq_lab.probes import capture_qkv, probe_model
+    from kvq_lab.probes.errors import reference_output
+    from kvq_lab.probes.settings import ERROR_QUANTITIES
+
+    model, ids = tiny_of(name), _ids()[:, :PROMPT]
+    caps = capture_qkv(model, ids)
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(caps)
+    assert [c.window for c in caps] == [WINDOW if t == "sliding_attention" else None for t in types]
+    for c in caps:
+        torch.testing.assert_close(reference_output(c), c.output, rtol=1e-4, atol=1e-5)
+    res = probe_model(model, [ids], _cfg(16, "simulated", "torch"))
+    assert res.windows == [c.window for c in caps]
+    assert all((res.tables[q]["rel_fro"] == 0).all() for q in ERROR_QUANTITIES)
+
+
 def test_what_a_models_files_say_it_cannot_do_is_refused_before_load(data_dir):
     """A base model's GGUF has no chat template (retrieval and behavior prompt through one), and Gemma 3's RoPE differs
     between layer types (rope=pre does not model that yet): both refused in one line from the files, before any load."""

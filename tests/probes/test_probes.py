@@ -308,9 +308,32 @@ def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
     rec["_path"] = str(run_dir)
     t = read_table(rec, "probe_tables", "per_head")
     assert len(t["rows"]) == 2 * 4 and t["columns"][:3] == ["layer", "head", "kv_head"]
-    assert read_table(rec, "probe_tables", "per_layer")["rows"][1][0] == 1
+    layers = read_table(rec, "probe_tables", "per_layer")
+    assert layers["columns"][:2] == ["layer", "attention"] and layers["rows"][1][:2] == [1, "global"]
     for name in rec["artifacts"]["probe_figures"]:
         assert (run_dir / name).stat().st_size > 1000
+
+
+def test_probe_on_long_gsm8k_text(tiny_model_dir, tmp_path):
+    """task.source=gsm8k: prompts as long as max_tokens, cut from GSM8K's test text; the record names that file; a data
+    folder without it is refused before any model loads."""
+    from kvq_lab.run.config import ConfigError, validate
+    from kvq_lab.run.runner import run
+
+    data = REPO.parent / "shared" / "data"
+    if not (data / "gsm8k").exists():
+        pytest.skip("local GSM8K data not found")
+    args = ["task=probe", "task.source=gsm8k", "logger=none", f"model.path={tiny_model_dir}", "task.figures=false"]
+    metrics = run(
+        _compose(*args, f"results_dir={tmp_path}", f"data_dir={data}", "task.n_prompts=2", "task.max_tokens=96")
+    )
+    assert metrics["probe/n_prompts"] == 2 and metrics["probe/mean_tokens"] == 96
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert list(json.loads((run_dir / "record.json").read_text())["inputs"]["data"]["files"]) == ["gsm8k/test.jsonl"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="gsm8k"):
+        validate(_compose(*args, f"data_dir={empty}"))
 
 
 def test_probe_task_rejects_unknown_setting():
