@@ -28,7 +28,8 @@ over all timed steps of all repeats is reported (the spread, min and max of the 
 cache): kind, label, dtype, length, batch, bytes_per_seq, cache_bytes (the batch's, measured), fits, decode_tok_s,
 per_seq_tok_s, step_s (median), step_s_min, step_s_max (per-repeat medians), ratio (decode_tok_s / DynamicCache's),
 batch_ratio (batch / DynamicCache's), prefill_forward_s, quantize_s, prefill_tok_s, peak_rss_bytes, same_tokens (every
-row generated what batch 1 generates through the same cache).
+row generated what batch 1 generates through the same cache; null with --prefill full), curve ([batch, aggregate
+tok/s] pairs: with --curve the powers of two below the batch, one repeat each, then the batch itself).
 """
 
 from __future__ import annotations
@@ -192,7 +193,14 @@ def measure(model, c: Cache, ids1, kv, forward_s, L, budget, args) -> dict:
             medians.append(statistics.median(timed))
         stored = cache_bytes(cache)[0]
         del cache
+    curve = []  # aggregate tok/s at smaller batches (powers of two), one repeat each: the figure's lines
+    for b in (2**i for i in range(batch.bit_length()) if 2**i < batch) if args.curve and args.prefill == "tile" else ():
+        small, _ = tiled(c.make, kv, b)
+        times, _ = decode(model, small, ids1.expand(b, -1), None, args.new_tokens)
+        curve.append([b, b / statistics.median(times[args.warmup :])])
+        del small
     step = statistics.median(steps)
+    curve.append([int(batch), batch / step])
     same = all(row == tokens1[0] for row in tokens) if args.prefill == "tile" else None
     prefill_s = batch * forward_s + quantize_s
     return {
@@ -200,7 +208,7 @@ def measure(model, c: Cache, ids1, kv, forward_s, L, budget, args) -> dict:
         "cache_bytes": int(stored), "fits": stored <= budget, "decode_tok_s": batch / step, "per_seq_tok_s": 1 / step,
         "step_s": step, "step_s_min": min(medians), "step_s_max": max(medians), "prefill_forward_s": forward_s,
         "quantize_s": quantize_s, "prefill_tok_s": batch * (L - 1) / prefill_s, "peak_rss_bytes": int(rss.peak),
-        "same_tokens": same,
+        "same_tokens": same, "curve": curve,
     }  # fmt: skip
 
 
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=None, help="cap the batch (default: what the budget holds)")
     ap.add_argument("--prefill", choices=["tile", "full"], default="tile")
+    ap.add_argument("--curve", action="store_true", help="also decode at the powers of two below each batch")
     ap.add_argument("--only", nargs="*", default=None, help="substrings of cache labels (DynamicCache always runs)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, 64 MiB, 4 steps, 1 repeat")
     ap.add_argument("--threads", type=int, default=None)

@@ -13,7 +13,7 @@ import pytest
 
 KEYS = {"dtype", "kind", "label", "length", "batch", "bytes_per_seq", "cache_bytes", "fits", "decode_tok_s",
         "per_seq_tok_s", "step_s", "step_s_min", "step_s_max", "prefill_forward_s", "quantize_s", "prefill_tok_s",
-        "peak_rss_bytes", "same_tokens", "ratio", "batch_ratio"}  # fmt: skip
+        "peak_rss_bytes", "same_tokens", "ratio", "batch_ratio", "curve"}  # fmt: skip
 PACKED_2BIT = "ours packed 2b K-C V-T G32 R128 ("  # rope=post only
 
 
@@ -44,7 +44,7 @@ def test_batches_fit_the_budget_and_generate_what_one_sequence_does(tiny_model_d
     b = bench(monkeypatch)
     out = tmp_path / "t.json"
     args = ["--model", str(tiny_model_dir), "--lengths", "600", "--budget", "2MiB", "--new-tokens", "5", "--warmup",
-            "1", "--repeats", "2", "--only", PACKED_2BIT, "--json", str(out)]  # fmt: skip
+            "1", "--repeats", "2", "--only", PACKED_2BIT, "--curve", "--json", str(out)]  # fmt: skip
     rows = b.main(args)
     data = json.loads(out.read_text())
     assert data["rows"] == rows and data["argv"] == args and data["budget_bytes"] == 2 * 2**20
@@ -54,6 +54,9 @@ def test_batches_fit_the_budget_and_generate_what_one_sequence_does(tiny_model_d
         assert r["batch"] == 2 * 2**20 // r["bytes_per_seq"] and r["fits"] and r["cache_bytes"] <= 2 * 2**20
         assert r["same_tokens"] is True and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
         assert r["step_s_min"] <= r["step_s"] * 1.0001 or r["step_s"] <= r["step_s_max"]
+        assert [b for b, _ in r["curve"]] == [2**i for i in range(r["batch"].bit_length()) if 2**i < r["batch"]] + [
+            r["batch"]
+        ] and r["curve"][-1][1] == r["decode_tok_s"]
     dyn, packed = rows
     assert dyn["ratio"] == 1.0 and dyn["batch_ratio"] == 1.0
     assert packed["batch"] > 2 * dyn["batch"]
