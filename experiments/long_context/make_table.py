@@ -19,35 +19,39 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def main() -> None:
-    newest: dict[tuple[str, int, int], dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a (cache, length, seed) wins
-        if r.get("status") == "ok":
+    newest: dict[tuple[str, str, int, int], dict] = {}
+    for r in load_records(HERE):  # oldest first: the newest record of a (model, cache, length, seed) wins
+        if r.get("status") == "ok" and r["config"]["task"]["name"] == "retrieval":
             t = r["config"]["task"]
-            newest[(r["cache"], int(t["context_tokens"]), int(t["seed"]))] = r
-    # pooled over generator seeds: hits and samples per (cache, length)
-    rows: dict[str, dict[int, list[int]]] = {}
-    for (label, n, _), r in newest.items():
-        cell = rows.setdefault(label, {}).setdefault(n, [0, 0])
+            newest[(r["config"]["model"]["name"], r["cache"], int(t["context_tokens"]), int(t["seed"]))] = r
+    # pooled over generator seeds: hits and samples per (model, cache, length)
+    models: dict[str, dict[str, dict[int, list[int]]]] = {}
+    for (model, label, n, _), r in newest.items():
+        cell = models.setdefault(model, {}).setdefault(label, {}).setdefault(n, [0, 0])
         k = int(r["metrics"]["retrieval/n"])
         cell[0] += round(r["metrics"]["retrieval/acc"] * k / 100)
         cell[1] += k
-    seeds = sorted({s for _, _, s in newest})
-    lengths = sorted({n for cells in rows.values() for n in cells})
-    lines = [
-        "| cache | " + " | ".join(f"{n} tok" for n in lengths) + " |",
-        "|---|" + "---|" * len(lengths),
-    ]
-    for label, cells in rows.items():
-        out = []
-        for n in lengths:
-            if n not in cells:
-                out.append("-")
-                continue
-            hits, k = cells[n]
-            lo, hi = wilson(hits / k, k)
-            out.append(f"{hits}/{k} [{100 * lo:.0f}, {100 * hi:.0f}]")
-        lines.append(f"| `{label}` | " + " | ".join(out) + " |")
-    table = "\n".join(lines) + f"\n\nseeds pooled: {seeds}; [..] = 95% Wilson interval, %\n"
+    blocks = []
+    for model, rows in models.items():
+        seeds = sorted({s for m, _, _, s in newest if m == model})
+        lengths = sorted({n for cells in rows.values() for n in cells})
+        lines = [
+            f"### {model}\n",
+            "| cache | " + " | ".join(f"{n} tok" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths),
+        ]
+        for label, cells in rows.items():
+            out = []
+            for n in lengths:
+                if n not in cells:
+                    out.append("-")
+                    continue
+                hits, k = cells[n]
+                lo, hi = wilson(hits / k, k)
+                out.append(f"{hits}/{k} [{100 * lo:.0f}, {100 * hi:.0f}]")
+            lines.append(f"| `{label}` | " + " | ".join(out) + " |")
+        blocks.append("\n".join(lines) + f"\n\nseeds pooled: {seeds}; [..] = 95% Wilson interval, %\n")
+    table = "\n".join(blocks)
     (HERE / "table.md").write_text(table)
     print(table)
 
@@ -56,15 +60,17 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, (label, cells) in enumerate(rows.items()):
-        xs = sorted(cells)
-        acc = [100 * cells[x][0] / cells[x][1] for x in xs]
-        ax.plot([x * (1 + 0.02 * (i - 1.5)) for x in xs], acc, marker="o", label=label)  # offsets: no overlap
-    ax.set(xscale="log", xlabel="context tokens", ylabel="needle accuracy (%)", ylim=(-5, 105))
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.minorticks_off()
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.5), squeeze=False)
+    for ax, (model, rows) in zip(axes[0], models.items(), strict=True):
+        lengths = sorted({n for cells in rows.values() for n in cells})
+        for i, (label, cells) in enumerate(rows.items()):
+            xs = sorted(cells)
+            acc = [100 * cells[x][0] / cells[x][1] for x in xs]
+            ax.plot([x * (1 + 0.02 * (i - 1.5)) for x in xs], acc, marker="o", label=label)  # offsets: no overlap
+        ax.set(xscale="log", xlabel="context tokens", ylabel="needle accuracy (%)", ylim=(-5, 105), title=model)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(HERE / "long_context.png", dpi=110)
 
