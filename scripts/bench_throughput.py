@@ -17,7 +17,7 @@ For each model dtype, context length L and cache, side by side in one process:
    mixed length (left-padded, as bench_cache's batch) through the cache inside `generate` instead (GPUs, small runs);
 4. decode: `model.generate` from the filled cache (the last prompt token, then `--new-tokens` greedy steps; EOS
    ignored); each step timed by a logits processor; aggregate decode tokens/s = B / median step time, per-sequence
-   = 1 / median step; peak RSS of the process while the cache existed (sampled every 5 ms).
+   = 1 / median step; peak RSS of the process while the cache existed (sampled every 20 ms).
 Caches: DynamicCache (the baseline of `ratio`), transformers' QuantizedCache with quanto (2-bit, G, R; its default
 axes), ours packed (auto backend: the C kernel on CPU, Triton on CUDA) int2 K-C/V-T, rope=post and rope=pre, int4
 K-C/V-T and FP8 E4M3 K-C/V-T, all G=32, R=128. `--only` picks caches by label substring (DynamicCache always runs).
@@ -111,7 +111,7 @@ class StepClock(LogitsProcessor):
 
 
 class PeakRSS:
-    """The process's largest resident set size while the block runs (sampled every 5 ms by a thread)."""
+    """The process's largest resident set size while the block runs (sampled every 20 ms by a thread)."""
 
     def __enter__(self):
         self.proc, self.peak, self.done = psutil.Process(), 0, threading.Event()
@@ -122,7 +122,7 @@ class PeakRSS:
     def _watch(self):
         while not self.done.is_set():
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            self.done.wait(0.005)
+            self.done.wait(0.02)
 
     def __exit__(self, *exc):
         self.done.set()
