@@ -37,7 +37,8 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.loads(runs[-1].read_text())  # the figure: the last run (the table shows every run)
+    # the figure: the run with the most measured points (--curve); the table shows every run
+    data = max((json.loads(p.read_text()) for p in runs), key=lambda d: sum(len(r["curve"]) for r in d["rows"]))
     panels = sorted({(r["dtype"], r["length"]) for r in data["rows"]}, key=lambda p: (p[0], p[1]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     for ax, (dtype, length) in zip(axes[0], panels, strict=True):
