@@ -15,6 +15,19 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def script_module(name: str, monkeypatch):
+    """scripts/<name>.py as a module (scripts/ is not a package), registered under its name for the test (its
+    dataclasses resolve annotations through sys.modules)."""
+    import importlib.util
+
+    path = REPO / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def peaked_llama():
     """A seeded 2-layer GQA Llama (4 query heads, 2 KV heads of 64) with peaked logits, so greedy choices sit far
     from ties and a cache that changes attention shows in the generated tokens (SDPA attention)."""

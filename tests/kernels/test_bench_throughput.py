@@ -4,12 +4,10 @@ batched decoding generating what one sequence generates through the same cache, 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from helpers_models import script_module
 
 KEYS = {"dtype", "kind", "label", "length", "batch", "bytes_per_seq", "cache_bytes", "fits", "decode_tok_s",
         "per_seq_tok_s", "step_s", "step_s_min", "step_s_max", "prefill_forward_s", "quantize_s", "prefill_tok_s",
@@ -18,13 +16,7 @@ PACKED_2BIT = "ours packed 2b K-C V-T G32 R128 ("  # rope=post only
 
 
 def bench(monkeypatch):
-    """The script as a module (scripts/ is not a package; it imports its sibling bench_cache)."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
-    spec = importlib.util.spec_from_file_location("bench_throughput", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_throughput", mod)  # its dataclass resolves annotations through it
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("bench_throughput", monkeypatch)  # it imports its sibling bench_cache
 
 
 @pytest.mark.parametrize("text,n", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5g", 3 * 2**29), ("4096", 4096)])

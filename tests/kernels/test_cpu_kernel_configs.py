@@ -384,16 +384,9 @@ BENCH_KEYS = {"kind", "label", "backend", "rope", "dtype", "batch", "format", "l
 
 def bench_module(monkeypatch):
     """scripts/bench_cache.py as a module (it is a script, not part of the package)"""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from helpers_models import script_module
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_cache.py"
-    spec = importlib.util.spec_from_file_location("bench_cache", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_cache", bench)  # its dataclass resolves annotations through it
-    spec.loader.exec_module(bench)
-    return bench
+    return script_module("bench_cache", monkeypatch)
 
 
 @pytest.mark.parametrize("n", range(1, 12))
