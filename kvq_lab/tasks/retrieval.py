@@ -44,7 +44,8 @@ if TYPE_CHECKING:  # the runner builds it; tasks only read it
     from kvq_lab.run.config import RunConfig
 
 KINDS = ("passkey", "needle", "variable_tracking")
-PROMPTS = ("chat", "plain")
+PROMPTS = ("chat", "plain")  # task.prompt; the first is the default (conf/task/retrieval.yaml states it too)
+DEFAULT_PROMPT = PROMPTS[0]
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 INSTRUCTION = {
@@ -133,7 +134,9 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def make_sample(tokenizer, kind: str, budget: int, depth: float, rng: random.Random, prompt: str = "chat") -> Sample:
+def make_sample(
+    tokenizer, kind: str, budget: int, depth: float, rng: random.Random, prompt: str = DEFAULT_PROMPT
+) -> Sample:
     """A prompt of at most `budget` tokens (as long as whole filler sentences allow) with the hidden statements at
     `depth` of the haystack (variable_tracking: the first at `depth`, the second halfway from there to the end)."""
     hidden, question, prefix, answer = _hidden(kind, rng)
@@ -177,7 +180,7 @@ def make_samples(
     depth: float | None,
     seed: int,
     max_new_tokens: int,
-    prompt: str = "chat",
+    prompt: str = DEFAULT_PROMPT,
 ) -> list[Sample]:
     """`samples` prompts of `kind`, deterministic per (tokenizer, seed, settings): sample i uses its own
     `random.Random((seed, kind, i))`, so a sample does not change when `samples` grows (nor with `prompt`: the
@@ -231,9 +234,8 @@ def run_retrieval(ctx) -> dict[str, float]:
     n = int(t.samples) if ctx.limit is None else min(int(t.samples), ctx.limit)
     depth = None if t.get("depth") is None else float(t.depth)
     max_new = int(t.max_new_tokens)
-    items = make_samples(
-        ctx.tokenizer, str(t.kind), int(t.context_tokens), n, depth, int(t.seed), max_new, str(t.get("prompt", "chat"))
-    )
+    prompt = str(t.get("prompt", DEFAULT_PROMPT))
+    items = make_samples(ctx.tokenizer, str(t.kind), int(t.context_tokens), n, depth, int(t.seed), max_new, prompt)
     eos = {ctx.tokenizer.eos_token_id} | set(_as_list(ctx.model.generation_config.eos_token_id))
     ctx.progress.unit, ctx.progress.total = "samples", n
     rows, hits = [], 0
@@ -290,7 +292,7 @@ class RetrievalTask(Task):
     limit_unit = "samples"
 
     def uses_chat(self, task_cfg) -> bool:
-        return task_cfg.get("prompt", "chat") == "chat"
+        return task_cfg.get("prompt", DEFAULT_PROMPT) == "chat"
 
     def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         super().check(cfg, data_dir)
@@ -308,7 +310,7 @@ class RetrievalTask(Task):
             raise ConfigError(f"task.depth={depth!r} must be a number in [0, 1] or null (spread over the samples)")
         if t.get("prefill") not in PREFILL:
             raise ConfigError(f"task.prefill={t.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
-        if t.get("prompt", "chat") not in PROMPTS:
+        if t.get("prompt", DEFAULT_PROMPT) not in PROMPTS:
             raise ConfigError(f"task.prompt={t.get('prompt')!r}; choose one of: {', '.join(PROMPTS)}")
         limit = cfg.limit
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > samples:
