@@ -14,7 +14,7 @@ KEYS = ("kl_mean", "kl_p99", "top1_agree", "kl_first", "kl_last", "top1_first", 
 def main() -> None:
     rows: dict[str, dict] = {}
     for r in load_records(HERE):  # oldest first: the newest record of a cache wins
-        if r.get("status") == "ok":
+        if r.get("status") == "ok" and r["config"].get("experiment_name") == "fidelity":  # not the long-context runs
             rows[r["cache"]] = r
     lines = ["| cache | " + " | ".join(KEYS) + " |", "|---|" + "---|" * len(KEYS)]
     for label, r in rows.items():
