@@ -1,4 +1,4 @@
-"""KL and top-1 agreement vs context length on Gemma-3-270M (conf/experiment/fidelity_gemma_long.yaml) from this
+"""KL and top-1 agreement vs context length on Gemma-3-270M (conf/experiment/fidelity_long_context.yaml) from this
 study's records -> long_context_table.md and kl_vs_context.png (run from the repo root:
 python experiments/fidelity/make_long_table.py). A window is context_tokens prefilled + eval_tokens scored."""
 
