@@ -21,8 +21,9 @@ For each model dtype, context length L and cache, side by side in one process:
 Caches: DynamicCache (the baseline of `ratio`), transformers' QuantizedCache with quanto (2-bit, G, R; its default
 axes), ours packed (auto backend: the C kernel on CPU, Triton on CUDA) int2 K-C/V-T, rope=post and rope=pre, int4
 K-C/V-T and FP8 E4M3 K-C/V-T, all G=32, R=128. `--only` picks caches by label substring (DynamicCache always runs).
-Rows of one (dtype, L) run one after the other; `--repeats` runs each decode again on the same cache and the median
-over all timed steps of all repeats is reported (the spread, min and max of the per-repeat medians, beside it).
+A progress bar (stderr) counts the caches measured. Rows of one (dtype, L) run one after the other; `--repeats` runs
+each decode again from a freshly filled cache, and the median over all timed steps of all repeats is reported (the
+spread, min and max of the per-repeat medians, beside it).
 
 `--json PATH` writes {"rows": [...], "code": ..., "argv": [...], "budget_bytes": ...}, one row per (dtype, length,
 cache): kind, label, dtype, length, batch, bytes_per_seq, cache_bytes (the batch's, measured), fits, decode_tok_s,
@@ -48,6 +49,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, QuantizedCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -185,7 +187,7 @@ def measure(model, c: Cache, ids1, kv, forward_s, L, budget, args) -> dict:
             cache, quantize_s = c.make(), float("nan")
         medians, steps, tokens = [], [], None
         for r in range(args.repeats):
-            if r:  # the same filled cache, decoded again from the prompt's end
+            if r:  # a fresh cache, filled again, decoded again from the prompt's end
                 cache, _ = tiled(c.make, kv, batch) if args.prefill == "tile" else (c.make(), 0.0)
             times, tokens = decode(model, cache, ids, mask, args.new_tokens)
             timed = times[args.warmup :]
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     rows: list[dict] = []
     model = tok = None
+    bar = tqdm(desc="caches measured", unit="cache", file=sys.stderr)
     for name in args.dtypes:
         dtype = DTYPES[name]
         if model is None:
@@ -262,17 +265,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         caches = make_caches(model)
         if args.only:
             caches = [c for c in caches if c.kind == "dynamic" or any(s in c.label for s in args.only)]
+        bar.total = len(args.dtypes) * len(lengths) * len(caches)  # the same caches for every dtype
+        bar.refresh()
         text = tok(TEXT * (40 + max(lengths) // 20), return_tensors="pt").input_ids.to(dev)
         for L in lengths:
             ids1 = text[:, :L]
             kv, forward_s = exact_prefill(model, ids1[:, :-1])
             out = []
             for c in caches:
+                bar.set_postfix_str(f"{name} {L} tokens: {c.label}")
                 try:
                     out.append({"dtype": name, **measure(model, c, ids1, kv, forward_s, L, budget, args)})
                 except Exception as e:  # noqa: BLE001  (a cache that does not run here, e.g. quanto's kernels)
                     print(f"  {c.label}: did not run ({type(e).__name__}: {str(e).splitlines()[0][:160]})")
-                print(f"  done: {c.label}", file=sys.stderr)
+                bar.update()
             del kv
             base = next(r for r in out if r["kind"] == "dynamic")
             print(f"\n## {name}, context {L} tokens, budget {budget / 2**30:.3g} GiB\n")
@@ -289,6 +295,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"{r['same_tokens']} |"
                 )
             rows += out
+    bar.close()
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
