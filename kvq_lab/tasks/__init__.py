@@ -155,6 +155,15 @@ class Task:
         """Whether this run's prompts go through the model's chat template (task options may choose plain text)."""
         return self.chat
 
+    def data_files(self, task_cfg) -> tuple[DataFile, ...]:
+        """The data-folder files this run reads, checked and hashed before any model loads (task options may choose
+        another source than the default `data`)."""
+        return self.data
+
+    def hub_datasets(self, task_cfg) -> tuple[str, ...]:
+        """The hub datasets this run reads when no data dir is given (as `data_files`, for the hub)."""
+        return self.hub
+
     def count_docs(self, rows: dict[str, list[dict]]) -> int | None:
         """Documents `limit` selects from, given the parsed rows of each data file (None: no bound to check)."""
         return None
@@ -167,7 +176,7 @@ class Task:
             )
         if data_dir is None:
             return
-        rows = {f.rel: read_data_file(data_dir, f)[0] for f in self.data}
+        rows = {f.rel: read_data_file(data_dir, f)[0] for f in self.data_files(cfg.task)}
         n = self.count_docs(rows)
         limit = cfg.limit
         if n is not None and isinstance(limit, int) and not isinstance(limit, bool) and limit > n:
@@ -179,8 +188,8 @@ class Task:
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         """What the task's numbers are computed from: content hashes of the data files, or the hub datasets."""
         if data_dir is None:
-            return {"source": "hub", "datasets": list(self.hub), "revision": None}
-        return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self.data}}
+            return {"source": "hub", "datasets": list(self.hub_datasets(cfg.task)), "revision": None}
+        return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self.data_files(cfg.task)}}
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         raise NotImplementedError

@@ -71,23 +71,18 @@ class ProbeTask(Task):
 
     name = "probe"
     options = ("name", *ProbeSettings.__dataclass_fields__)
-    data = (COQA_DATA,)  # source=coqa; source=gsm8k reads GSM8K's test split (_files)
+    data = (COQA_DATA,)  # source=coqa; source=gsm8k reads GSM8K's test split (data_files)
     hub = (COQA_HUB,)
     limit_unit = "CoQA stories"
 
-    @staticmethod
-    def _files(source: str) -> tuple:
-        return (gsm8k_file("test"),) if source == "gsm8k" else (COQA_DATA,)
+    def data_files(self, task_cfg):
+        return (gsm8k_file("test"),) if _settings(task_cfg).source == "gsm8k" else self.data
 
-    def inputs(self, cfg, data_dir):
-        source = _settings(cfg.task).source
-        if data_dir is None:
-            hub = f"{GSM8K_HUB}/{GSM8K_CONFIG}:test" if source == "gsm8k" else COQA_HUB
-            return {"source": "hub", "datasets": [hub], "revision": None}
-        return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self._files(source)}}
+    def hub_datasets(self, task_cfg):
+        return (f"{GSM8K_HUB}/{GSM8K_CONFIG}:test",) if _settings(task_cfg).source == "gsm8k" else self.hub
 
     def count_docs(self, rows):
-        return len(rows[COQA_DATA.rel])
+        return len(rows[COQA_DATA.rel]) if COQA_DATA.rel in rows else None  # source=gsm8k: no bound
 
     def check(self, cfg, data_dir):
         try:
@@ -98,14 +93,9 @@ class ProbeTask(Task):
             raise ConfigError(
                 f"task.source={s.source!r} is not a probe prompt source; choose one of: {', '.join(SOURCES)}"
             )
-        if s.source == "gsm8k":
-            if data_dir is not None:
-                for f in self._files(s.source):
-                    read_data_file(data_dir, f)  # present and parseable, before any model loads
-            return super().check(cfg, None)  # the options only: the CoQA file is not read
-        super().check(cfg, data_dir)
-        if data_dir is not None and s.n_prompts > self.count_docs({COQA_DATA.rel: _coqa_docs(data_dir, 10**9)}):
-            n = len(_coqa_docs(data_dir, 10**9))
+        super().check(cfg, data_dir)  # the options, and the source's files present and parseable
+        n = len(_coqa_docs(data_dir, 10**9)) if data_dir is not None and s.source == "coqa" else None
+        if n is not None and s.n_prompts > n:
             raise ConfigError(f"task.n_prompts={s.n_prompts} but data_dir={data_dir} has {n} CoQA stories; use <= {n}")
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
