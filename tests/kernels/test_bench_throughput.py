@@ -45,7 +45,7 @@ def test_batches_fit_the_budget_and_generate_what_one_sequence_does(tiny_model_d
         assert set(r) == KEYS
         assert r["batch"] == 2 * 2**20 // r["bytes_per_seq"] and r["fits"] and r["cache_bytes"] <= 2 * 2**20
         assert r["same_tokens"] is True and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
-        assert r["step_s_min"] <= r["step_s"] * 1.0001 or r["step_s"] <= r["step_s_max"]
+        assert r["step_s_min"] * 0.9999 <= r["step_s"] <= r["step_s_max"] * 1.0001  # the pooled median lies between
         assert [b for b, _ in r["curve"]] == [2**i for i in range(r["batch"].bit_length()) if 2**i < r["batch"]] + [
             r["batch"]
         ] and r["curve"][-1][1] == r["decode_tok_s"]
@@ -55,26 +55,7 @@ def test_batches_fit_the_budget_and_generate_what_one_sequence_does(tiny_model_d
 
 
 def test_full_prefill_runs_mixed_length_prompts_through_generate(tiny_model_dir, monkeypatch):
-    rows = bench(monkeypatch).main(
-        [
-            "--model",
-            str(tiny_model_dir),
-            "--lengths",
-            "200",
-            "--budget",
-            "4MiB",
-            "--new-tokens",
-            "4",
-            "--warmup",
-            "1",
-            "--repeats",
-            "1",
-            "--max-batch",
-            "3",
-            "--prefill",
-            "full",
-            "--only",
-            PACKED_2BIT,
-        ]  # fmt: skip
-    )
+    args = ["--model", str(tiny_model_dir), "--lengths", "200", "--budget", "4MiB", "--new-tokens", "4", "--warmup",
+            "1", "--repeats", "1", "--max-batch", "3", "--prefill", "full", "--only", PACKED_2BIT]  # fmt: skip
+    rows = bench(monkeypatch).main(args)
     assert [r["batch"] for r in rows] == [3, 3] and all(r["same_tokens"] is None for r in rows)
