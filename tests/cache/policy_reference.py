@@ -1,0 +1,57 @@
+"""Today's cache outputs, kept to check that the policy refactor changed nothing: per config, the last-position
+logits of a 40-token prefill and 12 teacher-forced decode steps through the peaked test Llama, and 16 greedy tokens
+after them (`outputs`). `tests/cache/data/policy_reference.pt` holds them as made at commit f953f50 (before policies
+existed) by `python tests/cache/policy_reference.py`; tests/cache/test_policies.py recomputes and compares bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REFERENCE = HERE / "data" / "policy_reference.pt"
+
+# knob mappings (`kvq_lab.cache.knobs.cache_config`): KIVI Table 1's fake quant and KIVI's streaming, with the
+# options that change the streams (sinks, a window, transforms, other formats)
+CONFIGS: dict[str, dict] = {
+    "table1_KC_VT": {"bits": 2, "mode": "simulated"},
+    "table1_KC_VC": {"bits": 2, "value_axis": "channel", "mode": "simulated"},
+    "table1_KT_VT_S4": {"bits": 2, "key_axis": "token", "sink_tokens": 4, "mode": "simulated"},
+    "table1_4bit_rope_pre": {"bits": 4, "rope": "pre", "mode": "simulated"},
+    "kivi_R32": {"bits": 2, "mode": "packed", "residual_length": 32, "backend": "torch"},
+    "kivi_R0_S4": {"bits": 2, "mode": "packed", "sink_tokens": 4, "backend": "torch"},
+    "kivi_R32_hadamard": {"bits": 2, "mode": "packed", "residual_length": 32, "transform": "hadamard", "backend": "torch"},
+    "kivi_fp8_KT_VC": {"format": "fp8_e4m3", "key_axis": "token", "value_axis": "channel", "mode": "packed",
+                       "residual_length": 32, "backend": "torch"},
+}
+
+
+def outputs(model, knobs: dict) -> dict[str, torch.Tensor]:
+    """{"logits": [13, vocab] (after the prefill, then after each teacher-forced step), "tokens": [16] greedy}."""
+    from kvq_lab.cache import QuantizedKVCache
+    from kvq_lab.cache.knobs import cache_config
+
+    cfg = cache_config(knobs)
+    ids = torch.randint(3, 256, (1, 52), generator=torch.Generator().manual_seed(7))
+    cache = QuantizedKVCache.for_model(model, cfg)
+    rows = []
+    with torch.no_grad():
+        rows.append(model(ids[:, :40], past_key_values=cache).logits[0, -1])
+        for t in range(40, 52):
+            rows.append(model(ids[:, t : t + 1], past_key_values=cache).logits[0, -1])
+        out = model.generate(
+            ids[:, :40], past_key_values=QuantizedKVCache.for_model(model, cfg), max_new_tokens=16,
+            min_new_tokens=16, do_sample=False,
+        )
+    return {"logits": torch.stack(rows), "tokens": out[0, 40:]}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    from helpers_models import peaked_llama
+
+    model = peaked_llama()
+    torch.save({name: outputs(model, knobs) for name, knobs in CONFIGS.items()}, REFERENCE)
+    print(f"wrote {REFERENCE}")
