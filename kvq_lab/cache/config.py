@@ -14,6 +14,8 @@ from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (regi
 MODES = ("simulated", "packed", "recompute")
 ROPE = ("post", "pre")
 BACKENDS = ("auto", "torch", "cpu", "triton")
+PREFILL = ("exact", "quantized")
+SLIDING_WINDOW = "sliding_window"  # skip_layers: the model's sliding-window layers
 
 
 def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "format") -> None:
@@ -40,6 +42,10 @@ class CacheConfig:
         `recompute` -> XQuant-like: the attention block's normalized input X is cached instead of K and V, with the
                        key quantizer and the packed cache's streaming; K and V are rematerialized at each decode
                        step (`kvq_lab.cache.recompute`). The value quantizer must equal the key's (one tensor).
+    prefill: what attention reads in the prompt's forward (the first update of an empty cache): `exact` (the K/V as
+        the model computed them; the cache quantizes them afterwards) or `quantized` (what the cache stores). None:
+        the mode's own (simulated quantized, packed and recompute exact), and tasks that prefill on their own
+        (`task.prefill=exact`: exact K/V handed to the cache) keep doing so.
     residual_length: R, the full-precision window of the packed cache (a multiple of the key group size).
     sink_tokens: the first N tokens of every sequence are kept in full precision (both modes).
     rope: `post` quantizes keys after RoPE (KIVI); `pre` quantizes them before RoPE and re-rotates the
@@ -53,6 +59,8 @@ class CacheConfig:
     key_residual, value_residual: corrections of each quantizer's error (`kvq_lab.quant.residuals`: `qjl:<m>`,
         `sparse:<frac>`), canonical spellings in order; stored per token beside the codes and counted in `nbytes()`.
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
+    skip_layers: decoder layers left unquantized (16 bits, stored as the model made them): layer indices, or
+        `sliding_window` until `resolve_layers` names that model's sliding-window layers.
     layers: one config per decoder layer, fitted by calibration (`kvq_lab.fit.calibration`: nuq codebooks as lut specs,
         fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
     """
@@ -60,6 +68,7 @@ class CacheConfig:
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
     value: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "token"))
     mode: str = "simulated"
+    prefill: str | None = None
     residual_length: int = 0
     sink_tokens: int = 0
     rope: str = "post"
@@ -73,10 +82,18 @@ class CacheConfig:
     value_residual: tuple[str, ...] = ()
     key_outlier_thresholds: tuple[float, ...] | None = None
     layers: tuple[CacheConfig, ...] = ()
+    skip_layers: tuple[int, ...] | str = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise QuantConfigError(f"mode={self.mode!r} is not a cache mode; allowed: {', '.join(MODES)}")
+        if self.prefill is not None and self.prefill not in PREFILL:
+            raise QuantConfigError(f"prefill={self.prefill!r}; allowed: {', '.join(PREFILL)}")
+        if self.mode == "recompute" and self.prefill == "quantized":
+            raise QuantConfigError(
+                "prefill=quantized with mode=recompute: the cache rebuilds K and V from X at decode steps only, its "
+                "prefill attention reads the model's own K/V; use prefill=exact or mode=simulated/packed"
+            )
         if self.rope not in ROPE:
             raise QuantConfigError(
                 f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)"
@@ -112,6 +129,7 @@ class CacheConfig:
         if self.key_outlier_thresholds is not None:
             object.__setattr__(self, "key_outlier_thresholds", tuple(map(float, self.key_outlier_thresholds)))
         object.__setattr__(self, "layers", tuple(self.layers))
+        self._check_skip_layers()
         if self.mode == "simulated" and self.residual_length:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
@@ -125,6 +143,43 @@ class CacheConfig:
                 f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
             )
         self._check_residual_units()
+
+    def _check_skip_layers(self) -> None:
+        v = self.skip_layers
+        if isinstance(v, str):
+            if v != SLIDING_WINDOW:
+                raise QuantConfigError(
+                    f"skip_layers={v!r}; allowed: none, {SLIDING_WINDOW} or a list of layer indices, e.g. [0,1]"
+                )
+        else:
+            if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
+                raise QuantConfigError(f"skip_layers={list(v)} must list layer indices >= 0, e.g. [0,1]")
+            object.__setattr__(self, "skip_layers", tuple(sorted(set(v))))
+        if v and self.mode == "recompute":
+            raise QuantConfigError(
+                "skip_layers with mode=recompute: every layer caches X, not K/V; unset skip_layers or use mode=packed"
+            )
+
+    def resolve_layers(self, sliding_layers: tuple[int, ...] | None, n_layers: int, model: str = "the model"):
+        """This config with `skip_layers` naming layer indices of a model with n_layers decoder layers whose
+        sliding-window layers are `sliding_layers` (None: not known). One-line QuantConfigError for a model without
+        sliding-window layers given `sliding_window`, or an index past its last layer."""
+        v = self.skip_layers
+        if v == SLIDING_WINDOW:
+            if sliding_layers is None:
+                raise QuantConfigError(f"skip_layers=sliding_window: which layers of {model} slide is not known")
+            if not sliding_layers:
+                raise QuantConfigError(
+                    f"skip_layers=sliding_window: {model} has no sliding-window layers (every layer attends to the "
+                    "whole context); use skip_layers=none or a list of layers, e.g. [0,1]"
+                )
+            return replace(self, skip_layers=tuple(sliding_layers))
+        if v and max(v) >= n_layers:
+            raise QuantConfigError(
+                f"skip_layers={list(v)}: {model} has {n_layers} decoder layers (0..{n_layers - 1}); layer {max(v)} "
+                "is not one of them"
+            )
+        return self
 
     def _check_residual_units(self) -> None:
         """Packed mode flushes a per-channel tensor's window whole: a block correction (`lowrank`) needs whole blocks
@@ -183,13 +238,41 @@ class CacheConfig:
             build_pipeline(self.value_transform, not self.value.is_identity),
         )
 
+    @property
+    def quantizes_prefill(self) -> bool:
+        """The prompt's forward reads the cache's quantized K/V, set explicitly (`prefill=quantized`, with anything
+        quantized): tasks that prefill on their own then forward the prompt through the cache."""
+        return self.prefill == "quantized" and not (self.key.is_identity and self.value.is_identity)
+
+    @property
+    def exact_prefill(self) -> bool:
+        """The prompt's forward reads the K/V the model computed: `prefill=exact`, or unset outside simulated mode."""
+        return self.prefill == "exact" or (self.prefill is None and self.mode != "simulated")
+
     def for_layer(self, i: int) -> CacheConfig:
-        """The config of decoder layer i: the fitted one where calibration made them (`layers`), else this one."""
+        """The config of decoder layer i: 16 bits where `skip_layers` names it, else the fitted one where calibration
+        made them (`layers`), else this one."""
+        if self.skip_layers == SLIDING_WINDOW:
+            raise ValueError("skip_layers=sliding_window names no layers until resolve_layers() is given the model's")
+        if i in self.skip_layers:
+            return self.exact_layer()
         if not self.layers:
             return self
         if not 0 <= i < len(self.layers):
             raise ValueError(f"the calibrated cache config has {len(self.layers)} layers; layer {i} asked")
         return self.layers[i]
+
+    def exact_layer(self) -> CacheConfig:
+        """A skipped layer's config: the same cache at 16 bits, nothing stored besides the K/V (DynamicCache's)."""
+        return CacheConfig(
+            key=QuantSpec(16, self.key.group_size, self.key.axis),
+            value=QuantSpec(16, self.value.group_size, self.value.axis),
+            mode=self.mode,
+            prefill=self.prefill,
+            residual_length=self.residual_length,
+            sink_tokens=self.sink_tokens,
+            backend=self.backend,
+        )
 
     def unfitted(self) -> CacheConfig:
         """This config without its per-layer fits (what the run config describes)."""
@@ -219,6 +302,7 @@ class CacheConfig:
     def label(self) -> str:
         """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
         extra = f"_R{self.residual_length}" if self.mode != "simulated" else ""
+        extra += {None: "", "exact": "_Pexact", "quantized": "_Pquant"}[self.prefill]
         extra += f"_r{self.recompute_rank}" if self.recompute_rank is not None else ""
         extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
         extra += "_preRoPE" if self.rope == "pre" else ""
@@ -228,6 +312,10 @@ class CacheConfig:
             extra += f"_{tag}{'+'.join(shown)}" if shown else ""
         for tag, f in (("K", self.key_outliers), ("V", self.value_outliers)):
             extra += f"_{tag}out{f:g}" if f else ""
+        if self.skip_layers:
+            skip = self.skip_layers
+            shown = "SW" if skip == SLIDING_WINDOW else "-".join(map(str, skip)) if len(skip) <= 3 else f"{len(skip)}L"
+            extra += f"_skip{shown}"
         for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
             extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
         if self.mode == "recompute":  # one tensor, X, under the key quantizer

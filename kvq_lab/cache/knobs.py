@@ -17,7 +17,7 @@ from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, IDENTITY_BITS, INT_BITS, QuantSpec
 from kvq_lab.quant.transforms import check_transforms
 
-from .config import BACKENDS, MODES, ROPE, CacheConfig
+from .config import BACKENDS, MODES, PREFILL, ROPE, SLIDING_WINDOW, CacheConfig
 
 
 def knob(default: Any, doc: str = "", row: str | None = None, factory=None) -> Any:
@@ -75,6 +75,20 @@ class CacheKnobs:
         "`recompute.rank` (`null`): `mode=recompute`: cache X's projection on the top-r right singular vectors of "
         "[W_k; W_v] (at most min(hidden, K+V dims): 384 on SmolLM2) instead of X",
         factory=lambda: {"rank": None},
+    )
+    prefill: Any = knob(
+        None,
+        "what the prompt's forward attends to: `exact` (the K/V the model computed; the cache quantizes afterwards, as "
+        "KIVI's kernels and vLLM do) or `quantized` (what the cache returns, prefill included, as KIVI's Table 1, "
+        "llama.cpp and transformers' QuantizedCache do); `null`: the mode's own (`simulated`: quantized, `packed` and "
+        "`recompute`: exact). Later chunks of a filled cache always read it as stored",
+    )
+    skip_layers: Any = knob(
+        None,
+        "decoder layers left unquantized (16 bits, as engines' `--kv-cache-dtype-skip-layers`): `none`, "
+        "`sliding_window` (the model's sliding-window layers: Gemma-3's 15 of 18; an error before load for a model "
+        "without them) or a list of layer indices, e.g. `[0,1]`; counted at 16 bits in `nbytes()` and "
+        "`cache/bits_total`",
     )
     residual_length: Any = knob(0, "R, full-precision recent window (packed mode; a multiple of G)")
     sink_tokens: Any = knob(0, "first N tokens kept in full precision")
@@ -226,6 +240,28 @@ def _show(v) -> str:
     return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
+def _skip_layers(k: Mapping) -> tuple[int, ...] | str:
+    """`skip_layers`: null/none -> (); `sliding_window`; an index or a list of them (duplicates merged, sorted)."""
+    v = _listed(k.get("skip_layers"))
+    if v is None or v == "none":
+        return ()
+    if v == SLIDING_WINDOW:
+        return v
+    items = v if isinstance(v, list) else [v]
+    if not items or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in items):
+        raise ConfigError(
+            f"skip_layers={_show(v)} is not allowed; choose none, sliding_window or a list of layer indices, e.g. [0,1]"
+        )
+    return tuple(sorted(set(items)))
+
+
+def _prefill(k: Mapping) -> str | None:
+    v = k.get("prefill")
+    if v is not None and v not in PREFILL:
+        raise ConfigError(f"prefill={v!r} is not allowed; choose exact, quantized or null (the mode's own)")
+    return v
+
+
 def _recompute_rank(k: Mapping) -> int | None:
     """`recompute.rank` (mode=recompute: cache X's projection on r singular vectors; null: X itself)."""
     r = k.get("recompute") or {}
@@ -251,6 +287,8 @@ def cache_config(knobs: Mapping) -> CacheConfig:
             key=QuantSpec(key_bits, g, key_axis, key_format),
             value=QuantSpec(value_bits, g, value_axis, value_format),
             mode=_choice(k, "mode", MODES),
+            prefill=_prefill(k),
+            skip_layers=_skip_layers(k),
             residual_length=k["residual_length"],
             sink_tokens=k["sink_tokens"],
             rope=_choice(k, "rope", ROPE),

@@ -45,6 +45,10 @@ class QuantizedKVCache(Cache):
         text_cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         cfg.check_head_dim(head_dim)
+        if cfg.skip_layers:  # skip_layers=sliding_window names the model's own (run.py resolved it from its files)
+            types = getattr(text_cfg, "layer_types", None) or []
+            sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+            cfg = cfg.resolve_layers(sliding, text_cfg.num_hidden_layers, type(model).__name__)
         rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
         cache = cls(cfg, text_cfg.num_hidden_layers, rotary_emb=rotary)
         prepare = getattr(LAYERS[cfg.mode], "prepare_model", None)  # e.g. packed: route decode attention to it

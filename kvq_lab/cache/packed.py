@@ -19,7 +19,8 @@ opens, coded at once because per-token codes depend on the token alone; its othe
 window, attended exactly, and their codes are read only once they leave).
 
 Prefill attention runs on the exact keys and values (the model's own attention on what it just computed); the
-cache quantizes afterwards, as KIVI does.
+cache quantizes afterwards, as KIVI does. `prefill=quantized` hands the prompt's forward the stored cache instead
+(sinks and window exact, history dequantized), as llama.cpp does.
 
 Left-padded batches: per-channel groups are aligned on each row's *real* tokens (row b's groups start at its
 first non-sink token, position p_b + sink_tokens), and each row keeps its own count of quantized tokens and
@@ -143,8 +144,8 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
 
         if self.N == 0:
             self._prefill(key_states, tk, value_states, tv)
-            # prefill attention runs on exactly what the model computed
-            return key_states, value_states
+            # prefill attention runs on exactly what the model computed, or (prefill=quantized) on what is stored
+            return self.materialize() if self.cfg.prefill == "quantized" else (key_states, value_states)
         if n > 1:
             # several new tokens on a non-empty cache (chunked prefill): absorbed one by one, attention on the
             # dequantized cache

@@ -152,15 +152,20 @@ class SimulatedLayer(SimulatedRows, QuantizedLayerBase):
                         seen.value[r, :, p + lo : p + lo + part.shape[-2]] = part
         # the new tokens only: history was checked when it arrived (a whole-history scan costs ~13% of decode)
         self.check_finite(key_states, value_states)
+        if start == 0 and self.cfg.exact_prefill:  # the prompt's forward reads the K/V the model computed
+            return self.keys, self.values
         return seen_k.value, seen_v.value
 
     def prefix_boundary(self, n: int) -> int:
         """Every token is quantized with the group it belongs to by position, and transforms act token by token.
         A per-channel group that the cut splits would be shown to the tokens before the cut zero-padded instead of
         whole, so the cut goes within the sinks or at a whole number of per-channel groups after them (anywhere
-        when no quantizer groups along tokens). Unpadded caches only."""
+        when no quantizer groups along tokens). Unpadded caches with a quantized prefill only (`prefill=exact`: a
+        later piece would read the first one quantized)."""
         if self._padded:
             return 0
+        if self.cfg.exact_prefill and not (self.cfg.key.is_identity and self.cfg.value.is_identity):
+            return 0  # a prefill in two pieces: the second reads the first one's tokens quantized, one prefill exact
         sink = self.cfg.sink_tokens
         token_groups = [
             s.group_size for s in (self.cfg.key, self.cfg.value) if not s.is_identity and s.axis == "channel"

@@ -56,6 +56,18 @@ def check_model_features(cache: CacheConfig, facts, model: str, task, task_cfg) 
         )
 
 
+def resolve_layers(cache: CacheConfig, facts, model: str) -> CacheConfig:
+    """`skip_layers` against the model's files before its weights load: `sliding_window` becomes the model's sliding-
+    window layers (an error for a model without them), indices past its last layer are refused. A hub id (no facts)
+    is resolved when the cache is built (`QuantizedKVCache.for_model`)."""
+    if facts is None or not cache.skip_layers:
+        return cache
+    try:
+        return cache.resolve_layers(facts.sliding_layers, facts.layers, f"model={model}")
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_recompute(cache: CacheConfig, model: str, probes: bool) -> None:
     """mode=recompute before any weights load: the probes (`probes`: the run measures them) model K/V quantizers,
     not X; a local model's architecture (built from its config.json on the meta device) has separable K/V projections

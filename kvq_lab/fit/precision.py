@@ -84,7 +84,7 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) ->
     v = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
     key, value, fixed = {}, {}, None
     for b in choices:
-        c = replace(cache, mode="packed", residual_length=R, backend="torch", layers=())
+        c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
         c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
         layer = QuantizedKVCache.for_model(model, c).layers[0]
         layer.update(k, v)
@@ -165,7 +165,7 @@ def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[st
     from kvq_lab.cache import QuantizedKVCache
 
     L = model.config.get_text_config(decoder=True).num_hidden_layers
-    base = replace(cache, mode="simulated", residual_length=0, layers=())
+    base = replace(cache, mode="simulated", prefill=None, residual_length=0, layers=())
     exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
     with torch.inference_mode():
         tail = _Tail(model, ids)
@@ -200,7 +200,7 @@ def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], mod
     from kvq_lab.records.provenance import code_version
 
     # what the measurement reads: the quantizers' settings but not their bits, the run's mode, window or backend
-    base = replace(cache, mode="simulated", residual_length=0, backend="auto", layers=())
+    base = replace(cache, mode="simulated", prefill=None, residual_length=0, backend="auto", layers=())
     base = replace(base, key=replace(base.key, bits=2), value=replace(base.value, bits=2))
     what = {
         "model": model_id,

@@ -92,6 +92,10 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
         return
     if cache.mode == "recompute":
         raise ConfigError(f"precision={s['name']} sets per-layer key/value bits; mode=recompute stores X: use uniform")
+    if cache.skip_layers:
+        raise ConfigError(
+            f"precision={s['name']} sets every layer's bits; skip_layers would override some of them: unset one"
+        )
     from kvq_lab.fit.calibration_settings import needs_calibration, what_is_fitted
 
     if needs_calibration(cache):  # calibration fits one config per layer at the run's bits (nuq codebooks...)

@@ -29,7 +29,7 @@ from kvq_lab.cache.checks import check_device
 from kvq_lab.cache.knobs import CACHE_KNOBS, cache_config
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.fit.calibration_settings import data_dir_from_env
-from kvq_lab.fit.checks import check_against_model, check_recompute, model_facts, resolve_backend
+from kvq_lab.fit.checks import check_against_model, check_recompute, model_facts, resolve_backend, resolve_layers
 from kvq_lab.lmeval.wrapper import QuantCacheLM
 from kvq_lab.models.loading import check_source
 
@@ -89,6 +89,7 @@ def check_model_args(
     if cache.mode == "recompute":  # separable K/V projections and room for the rank, before the weights load
         check_recompute(cache, name, probes=False)
     facts = model_facts(name)
+    cache = resolve_layers(cache, facts, name)
     check_against_model(cache, name, facts, {}, {}, data_dir_from_env())  # calibration's and precision's defaults
     return resolve_backend(cache, facts), name, device
 

@@ -15,7 +15,8 @@ from pathlib import Path
 class ModelFacts:
     """What the checks before a load need from a model: decoder layers, query and KV heads, head dim, context; whether
     it carries a chat template (None: not known from its files), and whether its RoPE differs between layer types
-    (Gemma 3: one base frequency on sliding-window layers, another on global ones)."""
+    (Gemma 3: one base frequency on sliding-window layers, another on global ones), and which layers attend within a
+    sliding window (`skip_layers=sliding_window`)."""
 
     layers: int
     heads: int
@@ -25,6 +26,19 @@ class ModelFacts:
     context: int | None
     chat_template: bool | None = None
     rope_by_layer_type: bool = False
+    sliding_layers: tuple[int, ...] | None = None  # layers attending within a sliding window; None: not known
+
+
+# GGUF architectures with sliding-window layers, and the pattern llama.cpp gives them: every n-th layer is global
+SLIDING_PATTERN = {"gemma3": 6, "gemma3n": 5}
+
+
+def _sliding_layers(c: dict, layers: int) -> tuple[int, ...]:
+    """The sliding-window layers of a config.json: its `layer_types` (transformers 5), else none."""
+    types = c.get("layer_types")
+    if isinstance(types, list):
+        return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return ()
 
 
 class BadModelFile(ValueError):
@@ -142,9 +156,9 @@ def facts(src: str) -> ModelFacts | None:
             raise BadModelFile(f"its config.json cannot be read ({e})") from None
         c = c.get("text_config") or c
         try:
-            heads = int(c["num_attention_heads"])
+            heads, n_layers = int(c["num_attention_heads"]), int(c["num_hidden_layers"])
             return ModelFacts(
-                layers=int(c["num_hidden_layers"]),
+                layers=n_layers,
                 heads=heads,
                 kv_heads=int(c.get("num_key_value_heads") or heads),
                 head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
@@ -152,6 +166,7 @@ def facts(src: str) -> ModelFacts | None:
                 context=c.get("max_position_embeddings"),
                 chat_template=_folder_chat_template(p),
                 rope_by_layer_type=_rope_by_layer_type(c),
+                sliding_layers=_sliding_layers(c, n_layers),
             )
         except (KeyError, TypeError, ValueError):
             return None  # not a decoder this check knows: the load itself will say
@@ -171,8 +186,18 @@ def facts(src: str) -> ModelFacts | None:
             context=get("context_length"),
             chat_template="tokenizer.chat_template" in meta,
             rope_by_layer_type=arch in ROPE_BY_LAYER_TYPE,
+            sliding_layers=_gguf_sliding(arch, get("attention.sliding_window"), layers),
         )
     return None
+
+
+def _gguf_sliding(arch: str, window, layers: int) -> tuple[int, ...] | None:
+    """A GGUF's sliding-window layers: llama.cpp's pattern for its architecture (every n-th layer global); none
+    without a window; None (not known) for a window on an architecture whose pattern is not listed here."""
+    if not window:
+        return ()
+    n = SLIDING_PATTERN.get(arch)
+    return None if n is None else tuple(i for i in range(layers) if (i + 1) % n)
 
 
 _TOKENIZERS: dict[str, object] = {}

@@ -206,6 +206,7 @@ def build(cfg) -> RunConfig:
         raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
     model = check_source(c["model"])
     facts = checks.model_facts(model, c["model"].get("head_dim"))
+    cache = checks.resolve_layers(cache, facts, model)
     checks.check_model_features(cache, facts, model, TASKS[task_name], c["task"])
     if cache.mode == "recompute":
         checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
@@ -292,6 +293,8 @@ class RunPlan:
 CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
 CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
 CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual corrections (kvq_lab.quant.residuals)
+CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
+CACHE_DEFAULTS["prefill"] = None  # what the prompt's forward reads (unset: the mode's and the task's own)
 WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
 
 

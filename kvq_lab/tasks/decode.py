@@ -100,7 +100,12 @@ def exact_prefill(model, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
 def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     """Fill `cache` with the context [B, T0]; -> logits [B, V] of the last context position. `exact`: exact attention
     (the memoized `exact_prefill`), then every layer's K/V handed to the cache, as KIVI's real cache does."""
-    if not exact or getattr(cache, "needs_forward", False):  # mode=recompute: its prefill attention is exact too
+    # mode=recompute: its prefill attention is exact too; prefill=quantized: attention reads the cache's K/V
+    if (
+        not exact
+        or getattr(cache, "needs_forward", False)
+        or getattr(getattr(cache, "cfg", None), "quantizes_prefill", False)
+    ):
         out = model(input_ids=context, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
     kv, logits = exact_prefill(model, context)

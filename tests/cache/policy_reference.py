@@ -1,7 +1,8 @@
 """Today's cache outputs, kept to check that the policy refactor changed nothing: per config, the last-position
 logits of a 40-token prefill and 12 teacher-forced decode steps through the peaked test Llama, and 16 greedy tokens
 after them (`outputs`). `tests/cache/data/policy_reference.pt` holds them as made at commit f953f50 (before policies
-existed) by `python tests/cache/policy_reference.py`; tests/cache/test_policies.py recomputes and compares bit for bit."""
+existed) by `python tests/cache/policy_reference.py`; tests/cache/test_policies.py recomputes and compares bit for
+bit."""
 
 from __future__ import annotations
 
@@ -22,9 +23,21 @@ CONFIGS: dict[str, dict] = {
     "table1_4bit_rope_pre": {"bits": 4, "rope": "pre", "mode": "simulated"},
     "kivi_R32": {"bits": 2, "mode": "packed", "residual_length": 32, "backend": "torch"},
     "kivi_R0_S4": {"bits": 2, "mode": "packed", "sink_tokens": 4, "backend": "torch"},
-    "kivi_R32_hadamard": {"bits": 2, "mode": "packed", "residual_length": 32, "transform": "hadamard", "backend": "torch"},
-    "kivi_fp8_KT_VC": {"format": "fp8_e4m3", "key_axis": "token", "value_axis": "channel", "mode": "packed",
-                       "residual_length": 32, "backend": "torch"},
+    "kivi_R32_hadamard": {
+        "bits": 2,
+        "mode": "packed",
+        "residual_length": 32,
+        "transform": "hadamard",
+        "backend": "torch",
+    },
+    "kivi_fp8_KT_VC": {
+        "format": "fp8_e4m3",
+        "key_axis": "token",
+        "value_axis": "channel",
+        "mode": "packed",
+        "residual_length": 32,
+        "backend": "torch",
+    },
 }
 
 
@@ -42,8 +55,11 @@ def outputs(model, knobs: dict) -> dict[str, torch.Tensor]:
         for t in range(40, 52):
             rows.append(model(ids[:, t : t + 1], past_key_values=cache).logits[0, -1])
         out = model.generate(
-            ids[:, :40], past_key_values=QuantizedKVCache.for_model(model, cfg), max_new_tokens=16,
-            min_new_tokens=16, do_sample=False,
+            ids[:, :40],
+            past_key_values=QuantizedKVCache.for_model(model, cfg),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
         )
     return {"logits": torch.stack(rows), "tokens": out[0, 40:]}
 
