@@ -1,7 +1,7 @@
-"""A format that stores a table, a fitted transform, a task and a probe metric, each added as a contributor would
-(tests/throwaway_plugins.py: one class and one registry line each), are found everywhere: validation, accounting,
-calibration, a run's record, the experiment table (tests/throwaway_checks.py), and every registry-driven test matrix.
-Both run in a fresh process so that the main session's registries stay as shipped."""
+"""A format that stores a table, a fitted transform, a task, a probe metric and a cache policy, each added as a
+contributor would (tests/throwaway_plugins.py: one class and one registry line each), are found everywhere:
+validation, accounting, calibration, a run's record, the experiment table (tests/throwaway_checks.py), and every
+registry-driven test matrix. Both run in a fresh process so that the main session's registries stay as shipped."""
 
 import os
 import subprocess
@@ -17,6 +17,7 @@ MATRICES = [
     "tests/quant/test_transforms.py",
     "tests/tasks/test_task_matrix.py",
     "tests/probes/test_error_matrix.py",
+    "tests/cache/test_policies.py",
 ]
 
 
@@ -26,7 +27,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=TESTS.parent, capture_output=True, text=True, env=env, timeout=900)
 
 
-NAMES = ("tw_table", "tw_scale", "tw_task", "tw_maxabs")
+NAMES = ("tw_table", "tw_scale", "tw_task", "tw_maxabs", "tw_tiers")
 
 
 def test_every_registry_driven_matrix_covers_them():

@@ -1,13 +1,14 @@
-"""Four throwaway plug-ins, each the way a contributor adds one (one class, one registry line): a code format that
-stores a table, a fitted transform, a task with headline metrics, and a probe error metric. Loaded only by
-tests/test_throwaway_plugins.py, in a fresh process (`pytest -p throwaway_plugins`), so the real registries of the
-main test session never see them."""
+"""Five throwaway plug-ins, each the way a contributor adds one (one class, one registry line): a code format that
+stores a table, a fitted transform, a task with headline metrics, a probe error metric, and a cache policy. Loaded
+only by tests/test_throwaway_plugins.py, in a fresh process (`pytest -p throwaway_plugins`), so the real registries
+of the main test session never see them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from kvq_lab.cache.policies import Tier, TokenPolicy, register_policy
 from kvq_lab.common.metric import Metric
 from kvq_lab.probes.metrics import ErrorMetric, register_error
 from kvq_lab.quant.formats import register_format
@@ -17,7 +18,21 @@ from kvq_lab.quant.transforms import Transform, register_fitted, register_transf
 from kvq_lab.quant.transforms.innerq import digest, per_head
 from kvq_lab.tasks import Task, TaskContext, register_task
 
-FORMAT, TRANSFORM, TASK, ERROR = "tw_table", "tw_scale", "tw_task", "tw_maxabs"
+FORMAT, TRANSFORM, TASK, ERROR, POLICY = "tw_table", "tw_scale", "tw_task", "tw_maxabs", "tw_tiers"
+
+
+@register_policy
+@dataclass(frozen=True)
+class HalfAtLowBits(TokenPolicy):
+    """The prompt's lower half by key norm at `low_bits`, the upper half at the cache's quantizer."""
+
+    name = POLICY
+    lossless = {"low_bits": 16}
+    score: str = "knorm"
+    low_bits: int = 1
+
+    def tiers(self, cache):
+        return (Tier(0.5, self.tier_config(cache)), Tier(0.5, self.tier_config(cache, self.low_bits)))
 
 
 @register_format(FORMAT)

@@ -15,8 +15,13 @@ add what the methods store besides, for a sequence of N tokens of one layer's [H
                      transform stores (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders,
                      1 byte, H * D)
 
-averaged over the layers (their fitted configs where calibration made them). N: the task's sequence length where
-it has one (task=ppl: context_tokens + eval_tokens), else 1024; reported as `cache/bits_tokens`.
+A token policy (`kvq_lab.cache.policies`) splits a prompt of N tokens: its sinks and last `policy.window` tokens
+at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers in their shares, each
+at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt (`layer_bits`).
+
+Averaged over the layers (their fitted configs where calibration made them; skipped layers at 16 bits). N: the
+task's sequence length where it has one (task=ppl: context_tokens + eval_tokens),
+else 1024; reported as `cache/bits_tokens`.
 """
 
 from __future__ import annotations
@@ -56,6 +61,27 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     return bits / n_tokens + per_layer / (heads * n_tokens * head_dim)
 
 
+def layer_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head_dim: int) -> float:
+    """Stored bits per element of one layer's `tensor` over n_tokens, under its token policy's tiers where it has
+    them (module docstring), else `tensor_bits`."""
+    tiers = cache.tiers()
+    if not tiers:
+        return tensor_bits(cache, tensor, n_tokens, heads, head_dim)
+    from dataclasses import replace
+
+    from .policies import deal
+
+    window = cache.sink_tokens + cache.token_policy().window
+    main = min(n_tokens, window)
+    mid = n_tokens - main
+    plain = replace(cache, policy="kivi", policy_options=())
+    bits = tensor_bits(plain, tensor, main, heads, head_dim) * main if main else 0.0
+    for tier, size in zip(tiers, deal([t.share for t in tiers], mid), strict=True):
+        if tier.config is not None and size:
+            bits += tensor_bits(tier.config, tensor, size, heads, head_dim) * size
+    return bits / n_tokens
+
+
 def stored_bits(cache: CacheConfig, task=None, model_config=None) -> dict[str, float]:
     """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`.
     `task`: the run's task section (task=ppl: its window length is the sequence length; protocol=chunks: n_ctx)."""
@@ -72,7 +98,7 @@ def stored_bits(cache: CacheConfig, task=None, model_config=None) -> dict[str, f
         n_layers = text.num_hidden_layers
     out = {}
     for tensor in ("key", "value"):
-        per = [tensor_bits(cache.for_layer(i), tensor, n, heads, head_dim) for i in range(n_layers)]
+        per = [layer_bits(cache.for_layer(i), tensor, n, heads, head_dim) for i in range(n_layers)]
         out[f"cache/bits_total_{tensor}"] = sum(per) / len(per)
     out["cache/bits_total"] = (out["cache/bits_total_key"] + out["cache/bits_total_value"]) / 2
     out["cache/bits_tokens"] = float(n)

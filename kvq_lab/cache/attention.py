@@ -1,8 +1,12 @@
-"""Attention routing for the packed cache: the `kvq_sdpa` attention function and its registration with transformers.
+"""Attention routing for the packed cache and token policies: the `kvq_sdpa` attention function and its registration
+with transformers.
 
 With `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through `kvq_sdpa`, which hands
 ordinary tensors to SDPA unchanged and, on decode steps, receives a `PackedKV` handle instead of K/V tensors: the
 layer's `decode_view()` (plain tensors) then goes to its backend's `decode_attention`.
+
+A token policy whose score reads queries (`kvq_lab.cache.tiered`) is handed the prompt's queries and keys right after
+the prompt's SDPA, through the attention module's `kvq_observer` (a weak reference to its cache layer).
 
 Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
@@ -61,9 +65,14 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     query [B, Hq, 1, D] -> ([B, 1, Hq, D], None) on decode steps, the layout `sdpa_attention_forward` returns.
     """
     if not isinstance(key, PackedKV):
-        return sdpa_attention_forward(
+        out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+        observer = getattr(module, "kvq_observer", None)  # a token policy ranking the prompt by its queries
+        layer = observer() if observer is not None else None
+        if layer is not None and layer.wants_queries(query):
+            layer.observe(query, key, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        return out
     layer = key.layer
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     kp, vp = layer.k_pipe, layer.v_pipe

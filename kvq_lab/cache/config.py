@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in cache policies)
+from kvq_lab.cache.policies import get_policy
 from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
 from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
@@ -59,6 +62,9 @@ class CacheConfig:
     key_residual, value_residual: corrections of each quantizer's error (`kvq_lab.quant.residuals`: `qjl:<m>`,
         `sparse:<frac>`), canonical spellings in order; stored per token beside the codes and counted in `nbytes()`.
     key_outlier_thresholds: the fitted per-channel key thresholds of one layer (H * D floats), set by calibration.
+    policy, policy_options: which tokens are stored and at how many bits (`kvq_lab.cache.policies`: `kivi`, the
+        default, stores every token as `mode` says; token policies split the prompt into tiers), with every option of
+        the policy (its defaults filled in).
     skip_layers: decoder layers left unquantized (16 bits, stored as the model made them): layer indices, or
         `sliding_window` until `resolve_layers` names that model's sliding-window layers.
     layers: one config per decoder layer, fitted by calibration (`kvq_lab.fit.calibration`: nuq codebooks as lut specs,
@@ -83,6 +89,8 @@ class CacheConfig:
     key_outlier_thresholds: tuple[float, ...] | None = None
     layers: tuple[CacheConfig, ...] = ()
     skip_layers: tuple[int, ...] | str = ()
+    policy: str = "kivi"
+    policy_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -130,6 +138,7 @@ class CacheConfig:
             object.__setattr__(self, "key_outlier_thresholds", tuple(map(float, self.key_outlier_thresholds)))
         object.__setattr__(self, "layers", tuple(self.layers))
         self._check_skip_layers()
+        self._check_policy()
         if self.mode == "simulated" and self.residual_length:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
@@ -143,6 +152,19 @@ class CacheConfig:
                 f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
             )
         self._check_residual_units()
+
+    def _check_policy(self) -> None:
+        policy = get_policy(self.policy, dict(self.policy_options))
+        object.__setattr__(self, "policy_options", policy.options())
+        policy.check(self)
+
+    def token_policy(self):
+        """The policy (`kvq_lab.cache.policies.Policy`) with its options."""
+        return get_policy(self.policy, dict(self.policy_options))
+
+    def tiers(self):
+        """The token policy's tiers (`kvq_lab.cache.policies.Tier`), or None (kivi: the mode stores every token)."""
+        return self.token_policy().tiers(self) if self.policy != "kivi" else None
 
     def _check_skip_layers(self) -> None:
         v = self.skip_layers
@@ -229,6 +251,9 @@ class CacheConfig:
         check_head_dim(self.value_transform, head_dim, "value_transform")
         check_residual_head_dim(self.key_residual, head_dim, "key_residual")
         check_residual_head_dim(self.value_residual, head_dim, "value_residual")
+        for tier in self.tiers() or ():
+            if tier.config is not None:
+                tier.config.check_head_dim(head_dim)
 
     def pipelines(self) -> tuple[Pipeline | None, Pipeline | None]:
         """(keys, values): the transforms each tensor's quantizer is wrapped in, None where none applies (a 16-bit
@@ -318,6 +343,15 @@ class CacheConfig:
             extra += f"_skip{shown}"
         for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
             extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
+        if self.policy != "kivi":
+            defaults = dict(type(self.token_policy())().options())  # options at their defaults go unnamed
+            shown = [f"-{k}{_short(v)}" for k, v in self.policy_options if defaults.get(k) != v]
+            extra += f"_{self.policy}" + "".join(shown)
         if self.mode == "recompute":  # one tensor, X, under the key quantizer
             return f"X{self.key.short()}_{self.mode[:3]}{extra}"
         return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"
+
+
+def _short(v) -> str:
+    """A policy option's value in a label: 0.5 -> 0.5, None -> null."""
+    return "null" if v is None else f"{v:g}" if isinstance(v, float) else str(v)

@@ -81,7 +81,19 @@ class CacheKnobs:
         "what the prompt's forward attends to: `exact` (the K/V the model computed; the cache quantizes afterwards, as "
         "KIVI's kernels and vLLM do) or `quantized` (what the cache returns, prefill included, as KIVI's Table 1, "
         "llama.cpp and transformers' QuantizedCache do); `null`: the mode's own (`simulated`: quantized, `packed` and "
-        "`recompute`: exact). Later chunks of a filled cache always read it as stored",
+        "`recompute`: exact), and tasks with `task.prefill=exact` (ppl, fidelity, retrieval) hand the cache exact K/V "
+        "unless `prefill=quantized`. Later chunks of a filled cache read it as stored; token policies (`policy=`) "
+        "read the prompt exactly",
+    )
+    policy: Any = knob(
+        None,
+        "which tokens are stored at how many bits (`kvq_lab/cache/policies/`): `kivi` (default; every token as `mode` "
+        "says), `evict` (keep the top `policy.keep` share of the prompt by `policy.score`, drop the rest), `mikv` "
+        "(the rest at `policy.low_bits` instead), `saliency` (ZipCache: the top `policy.high` share at "
+        "`policy.high_bits`); scores `knorm`, `attention` (H2O), `snapkv`, `normalized` (ZipCache); the prompt's "
+        "sinks and last `policy.window` tokens (32) stay with the mode's layer. Token policies run one prompt at a "
+        "time (`batch_size=1`), keys after RoPE; `nbytes()` and `cache/bits_total` count every tier",
+        factory=lambda: {"name": "kivi"},
     )
     skip_layers: Any = knob(
         None,
@@ -240,6 +252,18 @@ def _show(v) -> str:
     return f"[{','.join(map(str, v))}]" if isinstance(v, list) else str(v)
 
 
+def _policy(k: Mapping) -> dict:
+    """`policy`: a name, or a section {name: ..., <option>: ...} (`policy=evict policy.keep=0.5`)."""
+    v = k.get("policy")
+    if v is None or isinstance(v, str):
+        return {"policy": v or "kivi", "policy_options": ()}
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"policy={v!r} must be a policy name, e.g. policy=evict")
+    opts = dict(v)
+    name = opts.pop("name", None) or "kivi"
+    return {"policy": name, "policy_options": tuple(sorted(opts.items()))}
+
+
 def _skip_layers(k: Mapping) -> tuple[int, ...] | str:
     """`skip_layers`: null/none -> (); `sliding_window`; an index or a list of them (duplicates merged, sorted)."""
     v = _listed(k.get("skip_layers"))
@@ -289,6 +313,7 @@ def cache_config(knobs: Mapping) -> CacheConfig:
             mode=_choice(k, "mode", MODES),
             prefill=_prefill(k),
             skip_layers=_skip_layers(k),
+            **_policy(k),
             residual_length=k["residual_length"],
             sink_tokens=k["sink_tokens"],
             rope=_choice(k, "rope", ROPE),

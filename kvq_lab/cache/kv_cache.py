@@ -15,14 +15,22 @@ from . import packed, recompute, simulated  # noqa: F401  (importing a layer mod
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
 from .rope import RopeHelper
+from .tiered import TieredLayer
 
 __all__ = ["LAYERS", "QuantizedKVCache"]
+
+
+def _layer_class(cfg: CacheConfig):
+    """The layer of a decoder layer's config: the mode's, or under a token policy the tiered one (which builds the
+    mode's layers inside it)."""
+    return LAYERS[cfg.mode] if cfg.policy == "kivi" else TieredLayer
 
 
 class QuantizedKVCache(Cache):
     """A `transformers.Cache` with independent key/value quantizers: `model.generate(..., past_key_values=cache)`.
 
-    One layer object per decoder layer, of the class registered for `cfg.mode`. Build it with
+    One layer object per decoder layer, of the class registered for `cfg.mode` (a token policy's: `TieredLayer`, which
+    holds layers of that class). Build it with
     `QuantizedKVCache.for_model(model, cfg)`; a cache holds one generation's state, so make a fresh one per call.
     """
 
@@ -35,7 +43,7 @@ class QuantizedKVCache(Cache):
         self.padding = PaddingState()
         rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
         # each layer's own config where calibration fitted one per layer (nuq codebooks, fitted transforms)
-        layers = [LAYERS[cfg.mode](cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
+        layers = [_layer_class(cfg.for_layer(i))(cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
         for i, layer in enumerate(layers):
             layer.layer_idx = i
         super().__init__(layers=layers)
@@ -51,9 +59,10 @@ class QuantizedKVCache(Cache):
             cfg = cfg.resolve_layers(sliding, text_cfg.num_hidden_layers, type(model).__name__)
         rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
         cache = cls(cfg, text_cfg.num_hidden_layers, rotary_emb=rotary)
-        prepare = getattr(LAYERS[cfg.mode], "prepare_model", None)  # e.g. packed: route decode attention to it
-        if prepare is not None:
-            prepare(model, cache)
+        for klass in {LAYERS[cfg.mode], *(type(layer) for layer in cache.layers)}:
+            prepare = getattr(klass, "prepare_model", None)  # e.g. packed: route decode attention to it
+            if prepare is not None:
+                prepare(model, cache)
         return cache
 
     @property

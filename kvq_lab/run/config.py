@@ -186,6 +186,11 @@ def build(cfg) -> RunConfig:
     calibration_settings.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, not the task's
     limit = _int(c, "limit", lo=1, allow_none=True)
     seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
+    if batch_size > 1 and cache.policy != "kivi":
+        raise ConfigError(
+            f"policy={cache.policy} splits each prompt by its own scores and runs one prompt at a time: use "
+            f"batch_size=1 (got {batch_size})"
+        )
     flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
     results_dir = check_paths(c)
     logger = c["logger"].get("name")
@@ -194,6 +199,11 @@ def build(cfg) -> RunConfig:
     check_keys("logger", c["logger"], LOGGER_KEYS[logger])
     if logger == "wandb" and c["logger"].get("mode") not in WANDB_MODES:
         raise ConfigError(f"logger.mode={c['logger'].get('mode')!r}; choose offline, online or disabled")
+    if (flags["probe"] or task_name == "probe") and cache.policy != "kivi":
+        raise ConfigError(
+            f"the probes measure the error of every token's quantizer; policy={cache.policy}'s tiers and dropped "
+            "tokens are not modelled there: probe with policy=kivi"
+        )
     probes = None
     if flags["probe"]:  # the probes' own settings, checked now rather than after a task has run
         from kvq_lab.probes.settings import ProbeSettings
@@ -294,6 +304,7 @@ CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thres
 CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
 CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual corrections (kvq_lab.quant.residuals)
 CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
+CACHE_DEFAULTS.update(policy="kivi", policy_options=())  # cache policies (kvq_lab.cache.policies)
 CACHE_DEFAULTS["prefill"] = None  # what the prompt's forward reads (unset: the mode's and the task's own)
 WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
 

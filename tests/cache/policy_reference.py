@@ -1,8 +1,8 @@
 """Today's cache outputs, kept to check that the policy refactor changed nothing: per config, the last-position
 logits of a 40-token prefill and 12 teacher-forced decode steps through the peaked test Llama, and 16 greedy tokens
-after them (`outputs`). `tests/cache/data/policy_reference.pt` holds them as made at commit f953f50 (before policies
-existed) by `python tests/cache/policy_reference.py`; tests/cache/test_policies.py recomputes and compares bit for
-bit."""
+after them (`outputs`). `tests/cache/data/policy_reference.pt` holds them as made with the code of commit f953f50
+(before policies existed) by `python tests/cache/policy_reference.py`; tests/cache/test_policies.py recomputes and
+compares bit for bit."""
 
 from __future__ import annotations
 
@@ -42,11 +42,22 @@ CONFIGS: dict[str, dict] = {
 
 
 def outputs(model, knobs: dict) -> dict[str, torch.Tensor]:
-    """{"logits": [13, vocab] (after the prefill, then after each teacher-forced step), "tokens": [16] greedy}."""
-    from kvq_lab.cache import QuantizedKVCache
+    """{"logits": [13, vocab] (after the prefill, then after each teacher-forced step), "tokens": [16] greedy}, on one
+    thread."""
     from kvq_lab.cache.knobs import cache_config
 
     cfg = cache_config(knobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a matmul's sums depend on the thread count; one thread gives the same bits anywhere
+    try:
+        return _outputs(model, cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _outputs(model, cfg) -> dict[str, torch.Tensor]:
+    from kvq_lab.cache import QuantizedKVCache
+
     ids = torch.randint(3, 256, (1, 52), generator=torch.Generator().manual_seed(7))
     cache = QuantizedKVCache.for_model(model, cfg)
     rows = []

@@ -39,6 +39,9 @@ BAD = [
     (["skip_layers=[0,30]"], r"skip_layers=\[0, 30\]: model=smollm2-135m has 30 decoder layers \(0..29\)"),
     (["skip_layers=[1]", "precision=search", "precision.budget=3"], r"precision=search sets every layer's bits"),
     (["mode=recompute", "skip_layers=[1]"], r"skip_layers with mode=recompute"),
+    (["policy=evict", "probe=true"], r"policy=evict's tiers and dropped tokens are not modelled there"),
+    (["policy=mikv", "policy.keep=1.5"], r"policy.keep=1.5 must be a fraction in \(0, 1\]"),
+    (["policy=evict", "mode=packed", "prefill=quantized"], r"policy=evict splits the prompt after its forward"),
     (["limit=0"], r"limit=0 must be an integer >= 1 or null"),
     (["task.name=squad"], r"task.name='squad' is not a known task"),
     (["model.path=./no/such/model"], r"model.path='./no/such/model' does not exist"),
@@ -89,7 +92,7 @@ def test_every_config_composes(data_dir, tmp_path):
     groups = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name not in ("hydra", "experiment"))
     seen = 0
     for group in groups:
-        key = "+policy@_global_" if group == "policy" else group  # policies are applied by experiments, not chosen
+        key = "+storage@_global_" if group == "storage" else group  # storage presets are applied by experiments
         for name in sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml")):
             overrides = [f"{key}={name}", f"data_dir={data_dir}", *needs.get((group, name), [])]
             if (group, name) in refuses:
@@ -100,7 +103,9 @@ def test_every_config_composes(data_dir, tmp_path):
             else:
                 validate(cfg_with(*overrides))
             seen += 1
-    assert seen >= 30 and {"calibration", "logger", "model", "policy", "precision", "quant", "task"} <= set(groups)
+    assert seen >= 30 and {"calibration", "logger", "model", "policy", "precision", "quant", "storage", "task"} <= set(
+        groups
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,195 @@
+"""Cache policies (`kvq_lab.cache.policies`), driven by the registry: a new policy is covered with no edit here.
+
+For every registered policy: its conf file is its defaults; at 16 bits, with the options under which it keeps every
+token (`Policy.lossless`), it is DynamicCache; simulated and packed mode store the same where both apply (per-token
+groups, no window); the packed cache's bytes are the bit accounting's layout arithmetic; a batch is refused where the
+policy splits prompts one at a time. The default policy reproduces the outputs saved before policies existed, bit
+for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers_models import gen
+from policy_reference import CONFIGS, REFERENCE, outputs
+from transformers import DynamicCache
+
+from kvq_lab.cache import QuantizedKVCache
+from kvq_lab.cache.accounting import layer_bits
+from kvq_lab.cache.knobs import cache_config
+from kvq_lab.cache.policies import POLICIES, get_policy
+from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in policies)
+from kvq_lab.cache.policies.scores import received, score
+from kvq_lab.cache.tiered import TieredLayer
+from kvq_lab.common.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+NAMES = sorted(POLICIES)
+TIERED = [n for n in NAMES if n != "kivi"]
+IDS = torch.randint(3, 256, (1, 352), generator=torch.Generator().manual_seed(5))  # 32 + 320: whole packing blocks
+
+
+def _cache(model, name: str, options: dict | None = None, **knobs) -> QuantizedKVCache:
+    policy = {"name": name, **(options or {})}
+    return QuantizedKVCache.for_model(model, cache_config({"bits": 2, "backend": "torch", **knobs, "policy": policy}))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return torch.load(REFERENCE)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_default_policy_reproduces_todays_outputs_bit_for_bit(tiny, reference, name):
+    """Outputs saved at f953f50, before policies existed (tests/cache/policy_reference.py): Table 1's fake quant and
+    KIVI's streaming, with sinks, a window, a transform and fp8 codes."""
+    got = outputs(tiny, CONFIGS[name])
+    assert torch.equal(got["logits"], reference[name]["logits"])
+    assert torch.equal(got["tokens"], reference[name]["tokens"])
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "conf" / "policy").glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_policy_conf_file_is_the_policys_defaults(path):
+    conf = yaml.safe_load(path.read_text())
+    assert conf == {"name": path.stem, **dict(get_policy(path.stem).options())}
+
+
+def test_every_built_in_policy_has_a_conf_file():
+    import inspect
+
+    built_in = {cls.name for cls in POLICIES.values() if inspect.getmodule(cls).__name__.startswith("kvq_lab.")}
+    assert built_in <= {p.stem for p in (REPO / "conf" / "policy").glob("*.yaml")}
+
+
+@pytest.mark.parametrize("mode", ["simulated", "packed"])
+@pytest.mark.parametrize("name", NAMES)
+def test_sixteen_bits_keeping_every_token_is_dynamic_cache(tiny, name, mode):
+    ref = gen(tiny, DynamicCache(config=tiny.config), IDS)
+    assert torch.equal(gen(tiny, _cache(tiny, name, POLICIES[name].lossless, bits=16, mode=mode), IDS), ref)
+
+
+@pytest.mark.parametrize("name", TIERED)
+def test_simulated_and_packed_store_the_same_where_both_apply(tiny, name):
+    """Per-token groups and no window: each tier's tokens are quantized the same way in both modes."""
+    knobs = {"key_axis": "token", "value_axis": "token"}
+    sim = gen(tiny, _cache(tiny, name, mode="simulated", prefill="exact", **knobs), IDS, n=12)
+    assert torch.equal(gen(tiny, _cache(tiny, name, mode="packed", **knobs), IDS, n=12), sim)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_bytes_are_the_layout_arithmetic(tiny, name):
+    """Every tier holds whole packing blocks here (320 middle tokens in shares of fifths and halves), so the stored
+    bytes after the prompt are what `layer_bits` counts, exactly. Per-token groups: per-channel ones also keep a
+    flush buffer of one group per stream (`FillStream`), which `nbytes()` counts and the arithmetic does not."""
+    cache = _cache(tiny, name, key_axis="token", value_axis="token", mode="packed")
+    with torch.no_grad():
+        tiny(IDS, past_key_values=cache)
+    H, D, T = tiny.config.num_key_value_heads, tiny.config.head_dim, IDS.shape[1]
+    want = sum(layer_bits(cache.layers[0].cfg, t, T, H, D) for t in ("key", "value")) * H * T * D / 8
+    assert cache.layers[0].nbytes()[0] == want
+
+
+@pytest.mark.parametrize("name", TIERED)
+def test_a_batch_is_refused_in_one_line(tiny, name, data_dir):
+    from helpers_models import compose
+
+    from kvq_lab.run.config import build
+
+    cfg = compose([f"data_dir={data_dir}", "batch_size=2"])
+    cfg.policy.name = name  # the conf group holds the built-in policies; any registered one is valid by name
+    with pytest.raises(ConfigError, match=f"policy={name} splits each prompt .* use batch_size=1"):
+        build(cfg)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="one unpadded prompt at a time"), torch.no_grad():
+        tiny(ids, past_key_values=_cache(tiny, name))
+
+
+@pytest.mark.parametrize("name", TIERED)
+def test_bad_options_fail_in_one_line_naming_the_option(name):
+    with pytest.raises(ConfigError, match=f"policy.colour is not an option of policy={name}; its options: score"):
+        cache_config({"policy": {"name": name, "colour": 1}})
+    with pytest.raises(ConfigError, match="policy.score='loudness'; choose one of: knorm, attention, snapkv"):
+        cache_config({"policy": {"name": name, "score": "loudness"}})
+    with pytest.raises(ConfigError, match="keys must carry their positions: use rope=post"):
+        cache_config({"policy": name, "rope": "pre"})
+
+
+# -- what the tiered layer does --------------------------------------------------------------------------------
+def test_eviction_keeps_sinks_window_and_the_top_share(tiny):
+    cache = _cache(tiny, "evict", {"score": "knorm", "keep": 0.25}, sink_tokens=4)
+    with torch.no_grad():
+        tiny(IDS, past_key_values=cache)
+    layer = cache.layers[0]
+    mid = IDS.shape[1] - 4 - 32
+    assert layer.split_sizes == [mid // 4, mid - mid // 4]
+    assert layer.held() == 4 + 32 + mid // 4 and cache.get_seq_length() == IDS.shape[1]
+
+
+def test_a_chunk_after_the_split_keeps_its_causal_order(tiny):
+    """Positions go on where the prompt ended and the new tokens see each other causally (16 bits, every token
+    kept: the logits of a 6-token chunk are DynamicCache's)."""
+    exact, kept = DynamicCache(config=tiny.config), _cache(tiny, "evict", {"score": "knorm", "keep": 1.0}, bits=16)
+    chunk = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        tiny(IDS, past_key_values=exact), tiny(IDS, past_key_values=kept)
+        want, got = tiny(chunk, past_key_values=exact).logits, tiny(chunk, past_key_values=kept).logits
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_attention_scores_are_the_attention_the_model_computes(tiny):
+    """`received` against the model's own attention weights (eager attention, output_attentions)."""
+    ids = IDS[:, :80]
+    seen = {}
+
+    def hook(module, args, kwargs, out):
+        seen[module.layer_idx] = out[1]
+
+    tiny.config._attn_implementation = "eager"
+    attn = tiny.model.layers[0].self_attn
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    q_seen = {}
+    orig = attn.q_proj.forward
+    attn.q_proj.forward = lambda x: q_seen.setdefault("q", orig(x))
+    try:
+        with torch.no_grad():
+            out = tiny(ids, past_key_values=DynamicCache(config=tiny.config), output_attentions=True)
+    finally:
+        handle.remove()
+        attn.q_proj.forward = orig
+        tiny.config._attn_implementation = "sdpa"
+    weights = out.attentions[0]  # [1, Hq, T, T]
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, T = ids.shape
+    D = tiny.config.head_dim
+    q = q_seen["q"].view(B, T, -1, D).transpose(1, 2)
+    cache = DynamicCache(config=tiny.config)
+    with torch.no_grad():
+        tiny(ids, past_key_values=cache)
+        cos, sin = tiny.model.rotary_emb(q, torch.arange(T)[None])
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    k = cache.layers[0].keys
+    assert torch.allclose(received(q, k, D**-0.5), weights.sum((1, 2)), atol=1e-4)
+    window = received(q, k, D**-0.5, first=T - 16)
+    assert torch.allclose(window, weights[:, :, T - 16 :].sum((1, 2)), atol=1e-4)
+    assert torch.equal(score("knorm", k, None, None, 32), -k.norm(dim=-1).sum(1))
+
+
+def test_a_query_score_without_the_prompts_queries_says_what_to_do(tiny):
+    cache = _cache(tiny, "evict", {"score": "snapkv"})
+    with torch.no_grad():
+        for layer in cache.layers:  # K/V handed over without a forward: no queries come
+            k = torch.randn(1, 2, 100, 64)
+            layer.update(k, k)
+        with pytest.raises(RuntimeError, match="score=snapkv ranks the prompt by the attention its queries pay"):
+            cache.layers[0].update(k[:, :, :1], k[:, :, :1])
+
+
+def test_only_token_policies_build_tiered_layers(tiny):
+    assert not any(isinstance(layer, TieredLayer) for layer in _cache(tiny, "kivi").layers)
+    assert all(isinstance(layer, TieredLayer) for layer in _cache(tiny, "evict").layers)
+    mixed = _cache(tiny, "evict", skip_layers=[1])  # a skipped layer is plain 16 bits
+    assert isinstance(mixed.layers[0], TieredLayer) and not isinstance(mixed.layers[1], TieredLayer)
