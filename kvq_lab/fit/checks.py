@@ -40,7 +40,8 @@ def model_facts(model: str, head_dim: int | None = None):
 def check_model_features(cache: CacheConfig, facts, model: str, task, task_cfg) -> None:
     """What this model's files say it cannot do, before its weights load: a task that prompts through a chat template
     on a model without one, and keys quantized before RoPE (rope=pre) on a model whose RoPE differs between layer
-    types, which kvq_lab's RoPE helper does not model yet (it would fail after the load)."""
+    types, which kvq_lab's RoPE helper does not model yet (it would fail after the load); a token policy on
+    sliding-window layers."""
     if facts is None:
         return
     if task.uses_chat(task_cfg) and facts.chat_template is False:
@@ -48,6 +49,13 @@ def check_model_features(cache: CacheConfig, facts, model: str, task, task_cfg) 
         raise ConfigError(
             f"task={task.name} prompts through the model's chat template, and model={model} has none (a base "
             f"model): use {alt}a chat/instruct model"
+        )
+    sliding = set(facts.sliding_layers or ())
+    if cache.policy != "kivi" and sliding - set(cache.skip_layers):
+        raise ConfigError(
+            f"policy={cache.policy} on model={model}: its sliding-window layers read only their last tokens, which a "
+            "token policy's split does not model; add skip_layers=sliding_window (the policy then runs on the global "
+            "layers)"
         )
     if facts.rope_by_layer_type and cache.rope == "pre" and not cache.key.is_identity:
         raise ConfigError(

@@ -154,3 +154,19 @@ def test_gemma_skips_its_fifteen_sliding_layers_before_load(data_dir):
     assert run.cache.label().endswith("_skip15L")
     with pytest.raises(ConfigError, match="has 18 decoder layers"):
         build(compose([f"data_dir={data_dir}", "model=gemma3-270m", "skip_layers=[18]"]))
+
+
+def test_a_token_policy_on_gemma_needs_its_sliding_layers_skipped(data_dir):
+    from helpers_models import compose
+
+    from kvq_lab.models.loading import resolve
+    from kvq_lab.run.config import build
+
+    try:
+        resolve("gemma3-270m")
+    except Exception:
+        pytest.skip("gemma3-270m is not installed (make setup installs it)")
+    base = [f"data_dir={data_dir}", "model=gemma3-270m", "policy=evict"]
+    with pytest.raises(ConfigError, match="add skip_layers=sliding_window"):
+        build(compose(base))
+    assert build(compose([*base, "skip_layers=sliding_window"])).cache.policy == "evict"
