@@ -1,0 +1,226 @@
+"""Tables and figure of the policies study from its records (run from the repo root: python
+experiments/policies/make_table.py) -> table.md and policies.png.
+
+Three tables: the policies at equal stored bytes (SmolLM2: CoQA-turns, fidelity, retrieval), the prompt's prefill
+exact vs quantized for KIVI's six axis rows (CoQA-turns, all turns; the quantized rows are the KIVI table's records,
+experiments/kivi_axis_table, whose prefill is simulated mode's own), and Gemma-3's sliding-window layers skipped or not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvq_lab.records.record import load_records
+from kvq_lab.report.rows import mean_se, paired_difference
+
+HERE = Path(__file__).parent
+AXIS_TABLE = HERE.parent / "kivi_axis_table"
+POLICIES = ("kivi", "saliency", "mikv", "evict")
+
+
+def per_doc(rec: dict, metric: str) -> dict[int, float]:
+    """doc_id -> the metric (0..1) of each scored document, from the run's samples.json."""
+    samples = json.loads((Path(rec["_path"]) / "samples.json").read_text())
+    return {s["doc_id"]: float(s[metric]) for s in samples}
+
+
+def budget(rec: dict) -> str:
+    bits = rec["metrics"]["cache/bits_total"]
+    return "16" if bits > 15 else min(("2.5", "3.0"), key=lambda b: abs(float(b) - bits))
+
+
+def task_key(rec: dict) -> str | None:
+    t = rec["config"]["task"]
+    if t["name"] == "coqa_turns":
+        return "coqa" if rec["config"].get("limit") == 100 else "coqa_all"
+    if t["name"] == "fidelity":
+        return "fidelity"
+    if t["name"] == "retrieval":
+        return f"{t['kind']}_{t['context_tokens']}"
+    return None
+
+
+def newest(recs: list[dict]) -> dict[tuple, dict]:
+    """(model, task key, cache label) -> the newest completed record (records are loaded oldest first)."""
+    out = {}
+    for r in recs:
+        key = task_key(r)
+        if r.get("status") == "ok" and key is not None:
+            out[(r["config"]["model"]["name"], key, r["cache"])] = r
+    return out
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> str:
+    """hits/n with its 95% Wilson score interval, in %."""
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return f"{hits}/{n} [{100 * max(0, centre - half):.0f}, {100 * min(1, centre + half):.0f}]"
+
+
+def retrieval_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    n = int(r["metrics"]["retrieval/n"])
+    return wilson(round(r["metrics"]["retrieval/acc"] * n / 100), n)
+
+
+def equal_bytes(runs: dict) -> tuple[str, dict]:
+    model = "smollm2-135m"
+    rows: dict[tuple[str, str], dict[str, dict]] = {}
+    for (m, task, _label), r in runs.items():
+        if m != model or task == "coqa_all":
+            continue
+        policy = "fp16" if budget(r) == "16" else r["cache_config"]["policy"]
+        rows.setdefault((budget(r), policy), {})[task] = r
+    retrieval = sorted({t for cells in rows.values() for t in cells if t.startswith(("needle", "variable"))})
+    head = ["budget", "policy", "cache", "bits/elem", "CoQA-turns EM", "CoQA-turns F1", "F1 - KIVI (paired)",
+            "KL mean", "top-1 agree", *retrieval]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = [("16", "fp16")] + [(b, p) for b in ("3.0", "2.5") for p in POLICIES]
+    for b, p in order:
+        cells = rows.get((b, p))
+        if not cells:
+            continue
+        any_rec = next(iter(cells.values()))
+        coqa, fid = cells.get("coqa"), cells.get("fidelity")
+        em = f1 = diff = kl = top1 = "-"
+        if coqa is not None:
+            e, es = mean_se(list(per_doc(coqa, "em").values()))
+            f, fs = mean_se(list(per_doc(coqa, "f1").values()))
+            em, f1 = f"{100 * e:.1f} ± {100 * es:.1f}", f"{100 * f:.1f} ± {100 * fs:.1f}"
+            kivi = rows.get((b, "kivi"), {}).get("coqa")
+            if kivi is not None and p not in ("kivi", "fp16"):
+                d, ds, _ = paired_difference(per_doc(kivi, "f1"), per_doc(coqa, "f1"))
+                diff = f"{100 * d:+.1f} ± {100 * ds:.1f}"
+        if fid is not None:
+            fm = fid["metrics"]
+            kl = f"{fm['fidelity/kl_mean']:.3f} ± {fm['fidelity/kl_mean_unc']:.3f}"
+            top1 = f"{100 * fm['fidelity/top1_agree']:.0f}%"
+        bits = f"{any_rec['metrics']['cache/bits_total']:.2f}"
+        label = f"`{any_rec['cache']}`"
+        rets = [retrieval_cell(cells.get(t)) for t in retrieval]
+        lines.append("| " + " | ".join([b, p, label, bits, em, f1, diff, kl, top1, *rets]) + " |")
+    return "\n".join(lines), rows
+
+
+AXES = [("K4b-T32_V4b-T32", "4bit (K-T, V-T)"), ("K2b-C32_V2b-T32", "2bit (K-C, V-T)"),
+        ("K2b-T32_V2b-T32", "2bit (K-T, V-T)"), ("K2b-C32_V2b-C32", "2bit (K-C, V-C)"),
+        ("K2b-T32_V2b-C32", "2bit (K-T, V-C)")]  # fmt: skip
+
+
+def prefill_table(runs: dict, axis_runs: dict) -> str:
+    lines = [
+        "| setting | prefill quantized: EM | F1 | prefill exact: EM | F1 | F1 exact - quantized (paired) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, name in AXES:
+        quant = axis_runs.get(("smollm2-135m", "coqa_all", f"{key}_sim"))
+        exact = runs.get(("smollm2-135m", "coqa_all", f"{key}_sim_Pexact"))
+        cells = []
+        for r in (quant, exact):
+            if r is None:
+                cells += ["-", "-"]
+                continue
+            for metric in ("em", "f1"):
+                m, se = mean_se(list(per_doc(r, metric).values()))
+                cells.append(f"{100 * m:.2f} ± {100 * se:.1f}")
+        diff = "-"
+        if quant is not None and exact is not None:
+            d, ds, n = paired_difference(per_doc(quant, "f1"), per_doc(exact, "f1"))
+            diff = f"{100 * d:+.2f} ± {100 * ds:.1f} (n={n})"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {diff} |")
+    return "\n".join(lines)
+
+
+def same_outputs(runs: dict, axis_runs: dict) -> str:
+    """The 2-bit K-C/V-T row rerun with prefill=quantized set explicitly, against the KIVI table's record."""
+    again = runs.get(("smollm2-135m", "coqa_all", "K2b-C32_V2b-T32_sim_Pquant"))
+    old = axis_runs.get(("smollm2-135m", "coqa_all", "K2b-C32_V2b-T32_sim"))
+    if again is None or old is None:
+        return "(the rerun of the 2-bit K-C/V-T row with prefill=quantized is not among the records)"
+    a, b = (json.loads((Path(r["_path"]) / "samples.json").read_text()) for r in (again, old))
+    same = [x["response"] for x in a] == [x["response"] for x in b]
+    return (
+        f"The 2-bit K-C/V-T row rerun with `prefill=quantized` set (commit {again['env']['git'][:7]}) against the "
+        f"KIVI table's record (commit {old['env']['git'][:7]}, before the knob existed): {len(a)} turns, responses "
+        f"{'identical' if same else 'DIFFERENT'}, EM {again['metrics']['coqa_turns/em']:.2f} vs "
+        f"{old['metrics']['coqa_turns/em']:.2f}."
+    )
+
+
+def gemma_table(runs: dict) -> str:
+    lines = ["| cache | bits/elem | KL mean | top-1 agree | needle 8192 |", "|---|---|---|---|---|"]
+    labels = sorted({label for (m, _t, label) in runs if m == "gemma3-270m"})
+    for label in labels:
+        fid = runs.get(("gemma3-270m", "fidelity", label))
+        ndl = runs.get(("gemma3-270m", "needle_8192", label))
+        any_rec = fid or ndl
+        kl = top1 = "-"
+        if fid is not None:
+            fm = fid["metrics"]
+            kl = f"{fm['fidelity/kl_mean']:.3f} ± {fm['fidelity/kl_mean_unc']:.3f}"
+            top1 = f"{100 * fm['fidelity/top1_agree']:.0f}%"
+        bits = f"{any_rec['metrics']['cache/bits_total']:.2f}"
+        lines.append(f"| `{label}` | {bits} | {kl} | {top1} | {retrieval_cell(ndl)} |")
+    return "\n".join(lines)
+
+
+def figure(rows: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    panels = (("coqa", "CoQA-turns F1 (%)"), ("fidelity", "fidelity KL (nats)"))
+    for ax, (metric, title) in zip(axes, panels, strict=True):
+        for i, b in enumerate(("3.0", "2.5")):
+            xs, ys, es = [], [], []
+            for j, p in enumerate(POLICIES):
+                r = rows.get((b, p), {}).get(metric)
+                if r is None:
+                    continue
+                if metric == "coqa":
+                    m, se = mean_se(list(per_doc(r, "f1").values()))
+                    y, e = 100 * m, 100 * se
+                else:
+                    y, e = r["metrics"]["fidelity/kl_mean"], r["metrics"]["fidelity/kl_mean_unc"]
+                xs.append(j + (i - 0.5) * 0.35)
+                ys.append(y)
+                es.append(e)
+            ax.bar(xs, ys, width=0.35, yerr=es, label=f"{b} bits/elem", capsize=3)
+        if metric == "coqa" and ("16", "fp16") in rows and "coqa" in rows[("16", "fp16")]:
+            m, _ = mean_se(list(per_doc(rows[("16", "fp16")]["coqa"], "f1").values()))
+            ax.axhline(100 * m, color="k", ls="--", lw=1, label="16-bit")
+        ax.set_xticks(range(len(POLICIES)), POLICIES)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle("SmolLM2-135M: policies at equal stored bytes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(HERE / "policies.png", dpi=110)
+
+
+def main() -> None:
+    runs = newest(load_records(HERE))
+    axis_runs = newest(load_records(AXIS_TABLE))
+    eq, rows = equal_bytes(runs)
+    text = "\n\n".join(
+        [
+            "### Policies at equal stored bytes (SmolLM2-135M)\n\n" + eq,
+            "### Prefill exact vs quantized, KIVI's axis rows (SmolLM2-135M, CoQA-turns, all turns)\n\n"
+            + prefill_table(runs, axis_runs)
+            + "\n\n"
+            + same_outputs(runs, axis_runs),
+            "### Gemma-3-270M: sliding-window layers skipped or not\n\n" + gemma_table(runs),
+        ]
+    )
+    (HERE / "table.md").write_text(text + "\n")
+    print(text)
+    figure(rows)
+
+
+if __name__ == "__main__":
+    main()
