@@ -13,3 +13,5 @@ for task in "$FID" "$NEEDLE"; do
     .venv/bin/python run.py $COMMON $task skip_layers=$skip 2>&1 | grep -E "^\[|^error|record:"
   done
 done
+echo "== 16-bit needle $(date +%T)"  # the needle's reference row
+.venv/bin/python run.py $COMMON $NEEDLE quant=fp16 2>&1 | grep -E "^\[|^error|record:"
