@@ -19,6 +19,10 @@ A token policy (`kvq_lab.cache.policies`) splits a prompt of N tokens: its sinks
 at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers in their shares, each
 at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt (`layer_bits`).
 
+Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.heads`), so a
+layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
+a codebook or a transform's parameters, once per width).
+
 Averaged over the layers (their fitted configs where calibration made them; skipped layers at 16 bits). N: the
 task's sequence length where it has one (task=ppl: context_tokens + eval_tokens),
 else 1024; reported as `cache/bits_tokens`.
@@ -63,7 +67,12 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
 
 def layer_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head_dim: int) -> float:
     """Stored bits per element of one layer's `tensor` over n_tokens, under its token policy's tiers where it has
-    them (module docstring), else `tensor_bits`."""
+    them, over its heads' widths where they differ (module docstring), else `tensor_bits`."""
+    if cache.head_bits:
+        H = len(cache.head_bits)
+        return (
+            sum(tensor_bits(c, tensor, n_tokens, len(idx), head_dim) * len(idx) for c, idx in cache.head_groups()) / H
+        )
     tiers = cache.tiers()
     if not tiers:
         return tensor_bits(cache, tensor, n_tokens, heads, head_dim)

@@ -10,7 +10,7 @@ from kvq_lab.cache.policies import get_policy
 from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
 from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
-from kvq_lab.quant.spec import INT_BITS, QuantConfigError, QuantSpec
+from kvq_lab.quant.spec import BITS, INT_BITS, QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
 from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
@@ -68,7 +68,11 @@ class CacheConfig:
     skip_layers: decoder layers left unquantized (16 bits, stored as the model made them): layer indices, or
         `sliding_window` until `resolve_layers` names that model's sliding-window layers.
     layers: one config per decoder layer, fitted by calibration (`kvq_lab.fit.calibration`: nuq codebooks as lut specs,
-        fitted transforms, key outlier thresholds); empty when nothing is fitted. `for_layer(i)` picks one.
+        fitted transforms, key outlier thresholds) or set by the per-layer bits search (`kvq_lab.fit.precision`);
+        empty when nothing is fitted. `for_layer(i)` picks one.
+    head_bits: one layer's (key bits, value bits) per KV head, set by the bits search at head granularity
+        (`precision.granularity=head`); empty: every head at `key.bits` / `value.bits`. `head_groups()` gives the
+        heads of each width, which `kvq_lab.cache.heads.HeadsLayer` stores as one layer each.
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
@@ -91,6 +95,7 @@ class CacheConfig:
     skip_layers: tuple[int, ...] | str = ()
     policy: str = "kivi"
     policy_options: tuple[tuple[str, Any], ...] = ()
+    head_bits: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -139,6 +144,7 @@ class CacheConfig:
         object.__setattr__(self, "layers", tuple(self.layers))
         self._check_skip_layers()
         self._check_policy()
+        self._check_head_bits()
         if self.mode == "simulated" and self.residual_length:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
@@ -158,13 +164,72 @@ class CacheConfig:
         object.__setattr__(self, "policy_options", policy.options())
         policy.check(self)
 
+    def _check_head_bits(self) -> None:
+        v = self.head_bits
+        pairs = [tuple(p) for p in v] if isinstance(v, (list, tuple)) else None
+        if pairs is None or any(len(p) != 2 or any(isinstance(b, bool) or b not in BITS for b in p) for p in pairs):
+            raise QuantConfigError(
+                f"head_bits={v!r} must list (key bits, value bits) per KV head, bits among {', '.join(map(str, BITS))}"
+            )
+        object.__setattr__(self, "head_bits", tuple(pairs))
+        if not pairs:
+            return
+        if self.mode == "recompute":
+            raise QuantConfigError("per-head bits with mode=recompute: X is one tensor for all heads; use packed")
+        if self.splits_tokens:
+            raise QuantConfigError(
+                f"per-head bits with policy={self.policy}: a token policy's tiers hold every head at one width; use "
+                "policy=kivi or per-layer bits (precision.granularity=layer)"
+            )
+        if self.layers:
+            raise QuantConfigError("head_bits belong to one layer's config, not to a cache of per-layer configs")
+        for h in range(len(pairs)):  # each width checked against the formats (fp8: 8 bits only)
+            try:
+                self.for_head(h)
+            except QuantConfigError as e:
+                raise QuantConfigError(f"head_bits: head {h} at {pairs[h]}: {e}") from None
+
+    def for_head(self, h: int) -> CacheConfig:
+        """KV head h's config: this one at its (key bits, value bits), without per-head bits."""
+        kb, vb = self.head_bits[h]
+        return replace(self, key=replace(self.key, bits=kb), value=replace(self.value, bits=vb), head_bits=())
+
+    def head_groups(self) -> list[tuple[CacheConfig, list[int]]]:
+        """[(config, KV heads)] per (key bits, value bits) pair of `head_bits`, in order of first appearance; [] for a
+        config without them."""
+        if not self.head_bits:
+            return []
+        groups: dict[tuple[int, int], list[int]] = {}
+        for h, pair in enumerate(self.head_bits):
+            groups.setdefault(pair, []).append(h)
+        return [(self.for_head(idx[0]), idx) for idx in groups.values()]
+
+    def check_heads(self, kv_heads: int, where: str = "the model") -> None:
+        """One-line QuantConfigError where a layer's `head_bits` do not name every KV head of the model."""
+        for i in range(max(1, len(self.layers))):
+            c = self.layers[i] if self.layers else self
+            if c.head_bits and len(c.head_bits) != kv_heads:
+                raise QuantConfigError(
+                    f"per-head bits give layer {i} {len(c.head_bits)} heads but {where} has {kv_heads} KV heads; "
+                    "search again for this model (precision=search precision.granularity=head)"
+                )
+
     def token_policy(self):
         """The policy (`kvq_lab.cache.policies.Policy`) with its options."""
         return get_policy(self.policy, dict(self.policy_options))
 
     def tiers(self):
-        """The token policy's tiers (`kvq_lab.cache.policies.Tier`), or None (kivi: the mode stores every token)."""
+        """The token policy's tiers (`kvq_lab.cache.policies.Tier`), or None (kivi, fakequant: the mode stores every
+        token)."""
         return self.token_policy().tiers(self) if self.policy != "kivi" else None
+
+    @property
+    def splits_tokens(self) -> bool:
+        """A token policy (`kvq_lab.cache.policies.TokenPolicy`): the prompt split into tiers after its forward,
+        one prompt at a time (`kvq_lab.cache.tiered`)."""
+        from kvq_lab.cache.policies import TokenPolicy
+
+        return isinstance(self.token_policy(), TokenPolicy)
 
     def _check_skip_layers(self) -> None:
         v = self.skip_layers
@@ -343,7 +408,7 @@ class CacheConfig:
             extra += f"_skip{shown}"
         for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
             extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
-        if self.policy != "kivi":
+        if self.policy != "kivi":  # the default goes unnamed, as do options at their defaults
             defaults = dict(type(self.token_policy())().options())  # options at their defaults go unnamed
             shown = [f"-{k}{_short(v)}" for k, v in self.policy_options if defaults.get(k) != v]
             extra += f"_{self.policy}" + "".join(shown)

@@ -14,6 +14,7 @@ from transformers.cache_utils import Cache
 from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
+from .heads import HeadsLayer
 from .rope import RopeHelper
 from .tiered import TieredLayer
 
@@ -21,17 +22,19 @@ __all__ = ["LAYERS", "QuantizedKVCache"]
 
 
 def _layer_class(cfg: CacheConfig):
-    """The layer of a decoder layer's config: the mode's, or under a token policy the tiered one (which builds the
-    mode's layers inside it)."""
-    return LAYERS[cfg.mode] if cfg.policy == "kivi" else TieredLayer
+    """The layer of a decoder layer's config: the mode's, or under a token policy the tiered one, or with per-head
+    bits the heads one (both build the mode's layers inside them)."""
+    if cfg.head_bits:
+        return HeadsLayer
+    return TieredLayer if cfg.splits_tokens else LAYERS[cfg.mode]
 
 
 class QuantizedKVCache(Cache):
     """A `transformers.Cache` with independent key/value quantizers: `model.generate(..., past_key_values=cache)`.
 
-    One layer object per decoder layer, of the class registered for `cfg.mode` (a token policy's: `TieredLayer`, which
-    holds layers of that class). Build it with
-    `QuantizedKVCache.for_model(model, cfg)`; a cache holds one generation's state, so make a fresh one per call.
+    One layer object per decoder layer, of the class registered for `cfg.mode` (a token policy's: `TieredLayer`;
+    per-head bits: `HeadsLayer`; both hold layers of that class). Build it with `QuantizedKVCache.for_model(model,
+    cfg)`; a cache holds one generation's state, so make a fresh one per call.
     """
 
     def __init__(self, cfg: CacheConfig, num_layers: int, rotary_emb: torch.nn.Module | None = None):
@@ -53,6 +56,7 @@ class QuantizedKVCache(Cache):
         text_cfg = model.config.get_text_config(decoder=True)
         head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
         cfg.check_head_dim(head_dim)
+        cfg.check_heads(text_cfg.num_key_value_heads, f"{type(model).__name__}")
         if cfg.skip_layers:  # skip_layers=sliding_window names the model's own (run.py resolved it from its files)
             types = getattr(text_cfg, "layer_types", None) or []
             sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")

@@ -51,7 +51,7 @@ def check_model_features(cache: CacheConfig, facts, model: str, task, task_cfg) 
             f"model): use {alt}a chat/instruct model"
         )
     sliding = set(facts.sliding_layers or ())
-    if cache.policy != "kivi" and sliding - set(cache.skip_layers):
+    if cache.splits_tokens and sliding - set(cache.skip_layers):
         raise ConfigError(
             f"policy={cache.policy} on model={model}: its sliding-window layers read only their last tokens, which a "
             "token policy's split does not model; add skip_layers=sliding_window (the policy then runs on the global "
@@ -119,7 +119,7 @@ def check_against_model(
         except QuantConfigError as e:
             raise ConfigError(str(e)) from None
     if facts.layers:
-        precision.check_layers(prec, cache, facts.layers)
+        precision.check_layers(prec, cache, facts.layers, facts.kv_heads)
     search = precision.settings(prec)["name"] == "search"
     if not (calibration.needs_calibration(cache) or search):
         return

@@ -27,6 +27,12 @@ store them. The budget is in bits per cached K/V element: stored bits / (2 L H_k
 
 Search: an exact multiple-choice knapsack (dynamic programming over total bytes, Pareto-pruned: costs are linear
 in bits, so the frontier holds a few hundred entries), one item per (layer, tensor), one option per choice.
+
+`precision.granularity=head`: the same with one item per (layer, KV head, tensor): the sensitivity of one head's
+keys (values) at b bits, all else exact (2 L H_kv |choices| measurements), and the bytes of a one-head layer (a
+layer's streams, sinks and window are per head, so H_kv of them are the layer's, checked on every measurement). The
+searched layer stores each width's heads as one layer of their own (`kvq_lab.cache.heads`), counted by `nbytes()` as
+the search counts it; formats with a table per tensor (lut, nvfp4) are refused before load.
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ log = logging.getLogger("kvq_lab")
 # -- bytes -----------------------------------------------------------------------------------------------------------
 @dataclass
 class Costs:
-    """Bytes of one layer at T tokens: `key[b]`, `value[b]` for each choice b (that tensor's stream as stored), and
-    `fixed` (sinks and other per-layer state, the same for every choice); `shared`: bytes a cache holds once for all
-    its layers (rope=pre's position ids). `elements`: 2 H_kv T D, K and V."""
+    """Bytes of one unit (a layer, or at head granularity one KV head of a layer) at T tokens: `key[b]`, `value[b]`
+    for each choice b (that tensor's stream as stored), and `fixed` (sinks and other state, the same for every
+    choice); `shared`: bytes a cache holds once for all its layers (rope=pre's position ids). `elements`: 2 H T D, K
+    and V, H the unit's heads. `heads`: units per layer (1, or H_kv at head granularity)."""
 
     key: dict[int, int]
     value: dict[int, int]
@@ -60,16 +67,29 @@ class Costs:
     elements: int
     layers: int
     shared: int = 0
+    heads: int = 1
 
-    def bits(self, key_bits: list[int], value_bits: list[int]) -> float:
-        """Stored bits per K/V element of a per-layer assignment, as `nbytes()` counts them."""
-        streams = sum(self.key[k] + self.value[v] for k, v in zip(key_bits, value_bits, strict=True))
-        total = self.layers * self.fixed + self.shared + streams
-        return 8 * total / (self.layers * self.elements)
+    @property
+    def units(self) -> int:
+        return self.layers * self.heads
+
+    def bits(self, key_bits: list, value_bits: list) -> float:
+        """Stored bits per K/V element of an assignment (per layer, or per layer a list per head), as `nbytes()`
+        counts them."""
+        kb, vb = flat(key_bits), flat(value_bits)
+        streams = sum(self.key[k] + self.value[v] for k, v in zip(kb, vb, strict=True))
+        total = self.units * self.fixed + self.shared + streams
+        return 8 * total / (self.units * self.elements)
 
 
-def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) -> Costs:
-    """Fill one packed layer with `tokens` random tokens per choice and read its streams' bytes (module docstring)."""
+def flat(bits: list) -> list[int]:
+    """Per-layer bits, or per-layer lists of per-head bits, as one list of units."""
+    return [b for x in bits for b in (x if isinstance(x, list) else [x])]
+
+
+def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int, granularity: str = "layer") -> Costs:
+    """Fill one packed layer with `tokens` random tokens per choice and read its streams' bytes (module docstring);
+    granularity=head: a one-head layer's, checked to be 1/H_kv of the layer's."""
     import torch
 
     from kvq_lab.cache import QuantizedKVCache
@@ -82,19 +102,35 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int) ->
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
     v = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
-    key, value, fixed = {}, {}, None
-    for b in choices:
-        c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
-        c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
-        layer = QuantizedKVCache.for_model(model, c).layers[0]
-        layer.update(k, v)
-        key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
-        shared = 0 if layer._log is None else layer._log.nbytes_for(layer)  # counted by this layer, held once
-        f = layer.nbytes()[0] - key[b] - value[b] - shared
-        if fixed is not None and f != fixed:
-            raise RuntimeError(f"the packed layer's fixed bytes changed with the bits ({fixed} vs {f})")
-        fixed = f
-    return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers, shared)
+
+    def one(heads: int) -> tuple[dict, dict, int, int]:
+        key, value, fixed = {}, {}, None
+        for b in choices:
+            c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
+            c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
+            layer = QuantizedKVCache.for_model(model, c).layers[0]
+            layer.update(k[:, :heads], v[:, :heads])
+            key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
+            shared = 0 if layer._log is None else layer._log.nbytes_for(layer)  # counted by this layer, held once
+            f = layer.nbytes()[0] - key[b] - value[b] - shared
+            if fixed is not None and f != fixed:
+                raise RuntimeError(f"the packed layer's fixed bytes changed with the bits ({fixed} vs {f})")
+            fixed = f
+        return key, value, fixed, shared
+
+    key, value, fixed, shared = one(H)
+    if granularity == "layer":
+        return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers, shared)
+    hk, hv, hf, _ = one(1)
+    if (
+        [H * hk[b] for b in choices] != [key[b] for b in choices]
+        or H * hf != fixed
+        or [H * hv[b] for b in choices] != [value[b] for b in choices]
+    ):
+        raise RuntimeError(
+            "a packed layer's bytes are not H_kv times a one-head layer's: per-head costs would be wrong"
+        )
+    return Costs(hk, hv, hf, 2 * tokens * D, text_cfg.num_hidden_layers, shared, heads=H)
 
 
 # -- sensitivity -----------------------------------------------------------------------------------------------------
@@ -157,34 +193,51 @@ class _Tail:
             inner.layers = self.layers
 
 
-def sensitivities(model, ids, cache: CacheConfig, choices: list[int]) -> dict[str, dict[int, list[float]]]:
-    """{"key"|"value": {b: [KL per layer]}}: mean KL(p_fp || p_q) over the positions of ids [1, T] with one layer's
-    keys (or values) fake-quantized at b bits and everything else exact (module docstring)."""
+def sensitivities(model, ids, cache: CacheConfig, choices: list[int], granularity: str = "layer"):
+    """{"key"|"value": {b: [KL per layer]}} (granularity=head: {b: [[KL per KV head] per layer]}): mean KL(p_fp ||
+    p_q) over the positions of ids [1, T] with one layer's (one head's) keys or values fake-quantized at b bits and
+    everything else exact (module docstring)."""
     import torch
+    from tqdm import tqdm
 
     from kvq_lab.cache import QuantizedKVCache
 
-    L = model.config.get_text_config(decoder=True).num_hidden_layers
+    text_cfg = model.config.get_text_config(decoder=True)
+    L, H = text_cfg.num_hidden_layers, text_cfg.num_key_value_heads
+    units = H if granularity == "head" else 1
     base = replace(cache, mode="simulated", prefill=None, residual_length=0, layers=())
     exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
-    with torch.inference_mode():
+
+    def quantized(tensor: str, b: int, h: int | None) -> CacheConfig:
+        """One layer's config: its keys (values) at b bits, on head h only where h is given."""
+        if h is None:
+            return replace(exact, **{tensor: replace(getattr(base, tensor), bits=b)})
+        pair = (b, 16) if tensor == "key" else (16, b)
+        return replace(exact, head_bits=tuple(pair if j == h else (16, 16) for j in range(H)))
+
+    measured = [b for b in choices if b < 16]
+    bar = tqdm(total=2 * len(measured) * L * units, desc=f"precision: sensitivity per {granularity}", leave=False)
+    with torch.inference_mode(), bar:
         tail = _Tail(model, ids)
         ref = torch.log_softmax(tail.ref, -1)  # [T, V]
         p = ref.exp()
-        out: dict[str, dict[int, list[float]]] = {"key": {}, "value": {}}
+        out: dict[str, dict[int, list]] = {"key": {}, "value": {}}
         for tensor in ("key", "value"):
             for b in choices:
                 kls = []
                 for i in range(L):
-                    if b >= 16:
-                        kls.append(0.0)
-                        continue
-                    one = replace(exact, **{tensor: replace(getattr(base, tensor), bits=b)})
-                    cfg = replace(exact, layers=tuple(one if j == i else exact for j in range(L)))
-                    logp = torch.log_softmax(tail.logits(i, QuantizedKVCache.for_model(model, cfg)), -1)
-                    kls.append(float((p * (ref - logp)).sum(-1).mean()))
+                    row = []
+                    for h in range(units) if b < 16 else ():
+                        one = quantized(tensor, b, h if granularity == "head" else None)
+                        cfg = replace(exact, layers=tuple(one if j == i else exact for j in range(L)))
+                        logp = torch.log_softmax(tail.logits(i, QuantizedKVCache.for_model(model, cfg)), -1)
+                        row.append(float((p * (ref - logp)).sum(-1).mean()))
+                        bar.update()
+                    row = row or [0.0] * units
+                    kls.append(row if granularity == "head" else row[0])
                 out[tensor][b] = kls
-                log.info("precision: %s %d-bit KL per layer %s", tensor, b, " ".join(f"{x:.3g}" for x in kls))
+                shown = " ".join(f"{x:.3g}" for x in flat(kls))
+                log.info("precision: %s %d-bit KL per %s %s", tensor, b, granularity, shown)
     return out
 
 
@@ -192,7 +245,9 @@ def sensitivity_dir() -> Path:
     return Path(os.environ.get("KVQ_PRECISION_CACHE", Path.home() / ".cache" / "kvq_lab" / "precision"))
 
 
-def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], model_id: Any, text: str):
+def cached_sensitivities(
+    model, ids, cache: CacheConfig, choices: list[int], model_id: Any, text: str, granularity: str = "layer"
+):
     """`sensitivities`, measured once per (model, quantizer settings, choices, text, code version) and kept in
         $KVQ_PRECISION_CACHE (default ~/.cache/kvq_lab/precision), with its digest beside it, verified on every read:
     every budget of a sweep reads the same measurement.
@@ -210,6 +265,8 @@ def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], mod
         "text": hashlib.sha256(text.encode()).hexdigest(),
         "code": code_version(),
     }
+    if granularity != "layer":  # left out at its default: measurements kept before it existed stay valid
+        what["granularity"] = granularity
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = sensitivity_dir() / f"{key}.json"
     if path.is_file():
@@ -220,7 +277,7 @@ def cached_sensitivities(model, ids, cache: CacheConfig, choices: list[int], mod
         except integrity.Corrupt as e:
             integrity.note_rebuild(e, "measuring again")
             integrity.remove(path)
-    sens = sensitivities(model, ids, cache, choices)
+    sens = sensitivities(model, ids, cache, choices, granularity)
     integrity.write_verified(path, json.dumps(sens).encode())
     return sens, path
 
@@ -251,25 +308,29 @@ def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] |
     return list(min(frontier, key=lambda e: (e[1], e[0]))[2])
 
 
-def search(sens: dict[str, dict[int, list[float]]], costs: Costs, budget: float, choices: list[int]):
-    """-> (key_bits [L], value_bits [L]) with the least total sensitivity whose stored bits per element (as
-    `Costs.bits` counts them) are at most `budget`; ConfigError (one line) when even the cheapest is over."""
-    L = costs.layers
-    capacity = int(budget * L * costs.elements // 8) - L * costs.fixed - costs.shared  # bytes the streams may take
+def search(sens: dict[str, dict[int, list]], costs: Costs, budget: float, choices: list[int]):
+    """-> (key_bits [L], value_bits [L]) (per head, `costs.heads` > 1: [L][H_kv] each) with the least total
+    sensitivity whose stored bits per element (as `Costs.bits` counts them) are at most `budget`; ConfigError (one
+    line) when even the cheapest is over."""
+    L, H, U = costs.layers, costs.heads, costs.units
+    capacity = int(budget * U * costs.elements // 8) - U * costs.fixed - costs.shared  # bytes the streams may take
     items = []
     for tensor, cost in (("key", costs.key), ("value", costs.value)):
-        for i in range(L):
-            items.append([(cost[b], sens[tensor][b][i]) for b in choices])
+        for u in range(U):
+            items.append([(cost[b], flat(sens[tensor][b])[u]) for b in choices])
     picks = knapsack(items, capacity)
     if picks is None:
-        low = costs.bits([min(choices)] * L, [min(choices)] * L)
+        low = costs.bits([min(choices)] * U, [min(choices)] * U)
         raise ConfigError(
             f"precision.budget={budget:g} cannot be met: every layer at {min(choices)} bits stores {low:.4g} bits per "
             "element with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); "
             "raise the budget or lower residual_length"
         )
     bits = [choices[j] for j in picks]
-    return bits[:L], bits[L:]
+    kb, vb = bits[:U], bits[U:]
+    if H == 1:
+        return kb, vb
+    return [kb[i * H : (i + 1) * H] for i in range(L)], [vb[i * H : (i + 1) * H] for i in range(L)]
 
 
 def resolve(
@@ -278,33 +339,34 @@ def resolve(
     """After the model loads: uniform -> `cache`; file -> `cache` (per-layer already, from `apply_file`) checked
     against the model's layer count; search -> the searched per-layer cache, written to run_dir/precision.yaml."""
     s = settings(precision)
-    L = model.config.get_text_config(decoder=True).num_hidden_layers
-    if s["name"] == "file":
-        check_layers(s, cache, L)  # validation checked it from the model's files where they are local
+    text_cfg = model.config.get_text_config(decoder=True)
+    if s["name"] == "file":  # validation checked it from the model's files where they are local
+        check_layers(s, cache, text_cfg.num_hidden_layers, text_cfg.num_key_value_heads)
         return cache
     if s["name"] != "search":
         return cache
-    choices, T = s["choices"], s["tokens"]
-    costs = measure_costs(model, cache, choices, T)
+    choices, T, unit = s["choices"], s["tokens"], s["granularity"]
+    costs = measure_costs(model, cache, choices, T, unit)
     text = sensitivity_text(s, data_dir)
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :T]
     if ids.shape[1] < T:
         raise ConfigError(f"precision.source={s['source']} has {ids.shape[1]} tokens; lower precision.tokens={T}")
     ids = ids.to(next(model.parameters()).device)
     model_id = model_id if model_id is not None else getattr(model, "name_or_path", None)
-    sens, sens_path = cached_sensitivities(model, ids, cache, choices, model_id, text)
+    sens, sens_path = cached_sensitivities(model, ids, cache, choices, model_id, text, unit)
     key_bits, value_bits = search(sens, costs, s["budget"], choices)
     meta = {
         "budget": s["budget"],
         "choices": choices,
         "stored_bits": costs.bits(key_bits, value_bits),
         "signal": "logit_kl",
+        "granularity": unit,
         "tokens": T,
         "source": s["source"],
         "cache": cache.label(),
         "sensitivity": {t: {str(b): v for b, v in d.items()} for t, d in sens.items()},
         "sensitivity_cache": str(sens_path),
-        "bytes": {"key": costs.key, "value": costs.value, "fixed_per_layer": costs.fixed, "shared": costs.shared},
+        "bytes": {"key": costs.key, "value": costs.value, f"fixed_per_{unit}": costs.fixed, "shared": costs.shared},
     }
     write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)
     log.info("precision: key bits %s, value bits %s (%.3f bits/element)", key_bits, value_bits, meta["stored_bits"])
@@ -341,11 +403,23 @@ def metrics(model, cache: CacheConfig, precision) -> dict[str, float]:
     if s["name"] == "uniform" or not cache.layers:
         return {}
     T = read_file(s["path"]).get("tokens", s["tokens"]) if s["name"] == "file" else s["tokens"]
-    kb, vb = [c.key.bits for c in cache.layers], [c.value.bits for c in cache.layers]
-    costs = measure_costs(model, cache, sorted(set(kb) | set(vb)), T)
+    H = model.config.get_text_config(decoder=True).num_key_value_heads
+    heads = any(c.head_bits for c in cache.layers)
+
+    def per_head(c: CacheConfig, tensor: str) -> list[int]:
+        if c.head_bits:
+            return [pair[tensor == "value"] for pair in c.head_bits]
+        return [getattr(c, tensor).bits] * H
+
+    if heads:  # per-head bits: means over heads, bytes counted per head
+        kb, vb = [per_head(c, "key") for c in cache.layers], [per_head(c, "value") for c in cache.layers]
+    else:
+        kb, vb = [c.key.bits for c in cache.layers], [c.value.bits for c in cache.layers]
+    fk, fv = flat(kb), flat(vb)
+    costs = measure_costs(model, replace(cache, layers=()), sorted(set(fk) | set(fv)), T, "head" if heads else "layer")
     return {
-        "precision/key_bits_mean": sum(kb) / len(kb),
-        "precision/value_bits_mean": sum(vb) / len(vb),
+        "precision/key_bits_mean": sum(fk) / len(fk),
+        "precision/value_bits_mean": sum(fv) / len(fv),
         "precision/bits_stored": costs.bits(kb, vb),
         "precision/bits_tokens": float(T),
     }

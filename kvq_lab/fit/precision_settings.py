@@ -2,10 +2,11 @@
 loads, and the per-layer bits file.
 
 `precision=uniform` (default): every layer uses `key_bits`/`value_bits`. `precision=search`: the runner searches
-per-layer bits on the loaded model (`kvq_lab.fit.precision`, the measurement side) and writes them with `write_file` to
-`<run folder>/precision.yaml`; `precision=file precision.path=<that file>` reruns them exactly (`apply_file`: the
-same per-layer specs, `CacheConfig.layers`, so the same cache; `hash_part`: the run hash follows the bits, not the
-file's location). `kvq_lab.run.config` reads this module only; nothing here loads a model.
+per-layer bits (`precision.granularity=head`: per KV head of each layer) on the loaded model
+(`kvq_lab.fit.precision`, the measurement side) and writes them with `write_file` to `<run folder>/precision.yaml`;
+`precision=file precision.path=<that file>` reruns them exactly (`apply_file`: the same per-layer specs,
+`CacheConfig.layers`, so the same cache; `hash_part`: the run hash follows the bits, not the file's location).
+`kvq_lab.run.config` reads this module only; nothing here loads a model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from kvq_lab.quant.spec import BITS, DEFAULT_FORMAT, QuantConfigError, QuantSpec
 
 MODES = ("uniform", "search", "file")
 DEFAULTS = {"name": "uniform", "budget": None, "choices": [2, 3, 4, 8], "tokens": 512, "source": "gsm8k_train"}
+DEFAULTS["granularity"] = "layer"  # what one choice of bits covers: a layer's keys (values), or one KV head's
+GRANULARITIES = ("layer", "head")
 KEYS = (*DEFAULTS, "path")
 SOURCES = ("gsm8k_train", "file")  # the sensitivity text: read by kvq_lab.fit.calibration_settings.calibration_text
 FILE_KIND = "kvq_lab.precision/per_layer_bits/v1"  # kept from before the split: older files still read
@@ -56,6 +59,8 @@ def settings(given: Mapping | None = None) -> dict[str, Any]:
             raise ConfigError(f"precision.tokens={t!r} must be an integer >= 32")
         if s["source"] not in SOURCES:
             raise ConfigError(f"precision.source={s['source']!r}; choose one of: {', '.join(SOURCES)}")
+        if s["granularity"] not in GRANULARITIES:
+            raise ConfigError(f"precision.granularity={s['granularity']!r}; choose one of: {', '.join(GRANULARITIES)}")
         if s["source"] == "file" and not (isinstance(s["path"], str) and Path(s["path"]).expanduser().is_file()):
             raise ConfigError(f"precision.source=file needs precision.path=<a UTF-8 text file> (got {s['path']!r})")
     if s["name"] == "file" and not (isinstance(s["path"], str) and Path(s["path"]).expanduser().is_file()):
@@ -110,6 +115,8 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
     except QuantConfigError as e:
         raise ConfigError(f"precision.choices: {e}") from None
     low = lower_bound_bits(cache, s["choices"])
+    if s["granularity"] == "head":
+        _check_per_head_bytes(cache)
     if s["budget"] < low:
         raise ConfigError(
             f"precision.budget={s['budget']:g} is below the smallest choice: every layer at {min(s['choices'])} bits "
@@ -118,14 +125,37 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
         )
 
 
-def check_layers(precision: Mapping | None, cache: CacheConfig, layers: int) -> None:
-    """precision=file against the model's layer count, read from its files before it loads (one-line ConfigError)."""
-    if settings(precision)["name"] == "file" and len(cache.layers) != layers:
-        path = settings(precision)["path"]
+def _check_per_head_bytes(cache: CacheConfig) -> None:
+    """granularity=head prices each head's bits alone; a format that stores a table per tensor (lut/nuq codebooks,
+    nvfp4's tensor scale) stores one per layer and width, which no per-head price counts exactly."""
+    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
+    from kvq_lab.quant.reference import code_format
+
+    for tensor in ("key", "value"):
+        spec = getattr(cache, tensor)
+        if not spec.is_identity and code_format(spec).table_bytes:
+            raise ConfigError(
+                f"precision.granularity=head with {tensor}_format={spec.format}: it stores a table per layer and "
+                "width, which per-head byte counts cannot price exactly; use precision.granularity=layer"
+            )
+
+
+def check_layers(precision: Mapping | None, cache: CacheConfig, layers: int, kv_heads: int | None = None) -> None:
+    """precision=file against the model's layer count (and KV heads, for per-head bits), read from its files before
+    it loads (one-line ConfigError)."""
+    s = settings(precision)
+    if s["name"] != "file":
+        return
+    if len(cache.layers) != layers:
         raise ConfigError(
-            f"precision.path={path} gives {len(cache.layers)} layers but the model has {layers}; search again for "
-            "this model (precision=search)"
+            f"precision.path={s['path']} gives {len(cache.layers)} layers but the model has {layers}; search again "
+            "for this model (precision=search)"
         )
+    if kv_heads:
+        try:
+            cache.check_heads(kv_heads)
+        except QuantConfigError as e:
+            raise ConfigError(f"precision.path={s['path']}: {e}") from None
 
 
 def check_text_length(precision: Mapping | None, tok, data_dir: Path | None) -> None:
@@ -144,7 +174,8 @@ def check_text_length(precision: Mapping | None, tok, data_dir: Path | None) -> 
 
 # -- the precision file ----------------------------------------------------------------------------------------------
 def read_file(path: str) -> dict[str, Any]:
-    """A precision.yaml (JSON is YAML) written by `write_file`: {"key_bits": [L], "value_bits": [L], ...}."""
+    """A precision.yaml (JSON is YAML) written by `write_file`: {"key_bits": [L], "value_bits": [L], ...}, or per
+    head {"key_bits": [L][H_kv], "value_bits": [L][H_kv], ...}."""
     import yaml
 
     try:
@@ -155,32 +186,44 @@ def read_file(path: str) -> dict[str, Any]:
     kb, vb = (d.get("key_bits"), d.get("value_bits")) if ok else (None, None)
     if not ok or not isinstance(kb, list) or not isinstance(vb, list) or len(kb) != len(vb) or not kb:
         raise ConfigError(f"precision.path={path!r} is not a precision file (kind {FILE_KIND}) written by search")
-    if any(isinstance(b, bool) or b not in BITS for b in kb + vb):
+    nested = [isinstance(b, list) for b in kb + vb]
+    if any(nested) and not (all(nested) and len({len(b) for b in kb + vb}) == 1 and kb[0]):
+        raise ConfigError(f"precision.path={path!r}: per-head bits must give every layer the same number of heads")
+    flat = [x for b in kb + vb for x in b] if any(nested) else kb + vb
+    if any(isinstance(b, bool) or b not in BITS for b in flat):
         raise ConfigError(f"precision.path={path!r}: bits must be among {', '.join(map(str, BITS))}")
     return d
 
 
-def write_file(path: Path, key_bits: list[int], value_bits: list[int], meta: dict[str, Any]) -> None:
-    """Write the per-layer bits and how they were found; `precision=file precision.path=<path>` reruns them."""
+def write_file(path: Path, key_bits: list, value_bits: list, meta: dict[str, Any]) -> None:
+    """Write the per-layer bits (per layer, or per layer a list per KV head) and how they were found;
+    `precision=file precision.path=<path>` reruns them."""
     import yaml
 
-    header = f"# per-layer (key bits, value bits): rerun with precision=file precision.path={path}\n"
+    what = "per-head" if key_bits and isinstance(key_bits[0], list) else "per-layer"
+    header = f"# {what} (key bits, value bits): rerun with precision=file precision.path={path}\n"
     body = {"kind": FILE_KIND, "key_bits": key_bits, "value_bits": value_bits, **meta}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(header + yaml.safe_dump(json.loads(json.dumps(body)), sort_keys=False, width=200))
     tmp.replace(path)
 
 
-def per_layer(cache: CacheConfig, key_bits: list[int], value_bits: list[int]) -> CacheConfig:
+def per_layer(cache: CacheConfig, key_bits: list, value_bits: list) -> CacheConfig:
     """The cache with layer i's key and value quantizers at key_bits[i], value_bits[i] (`CacheConfig.layers`; every
-    other setting as the run's)."""
+    other setting as the run's). Per-head bits (key_bits[i] a list per KV head): layer i's `head_bits`, or, where
+    its heads all have one width, a layer at that width (the mode's own layer, fused decode kernels included)."""
     if cache.layers:
         raise ConfigError("per-layer precision on a cache that calibration already fitted per layer is not supported")
-    layers = tuple(
-        replace(cache, key=replace(cache.key, bits=kb), value=replace(cache.value, bits=vb))
-        for kb, vb in zip(key_bits, value_bits, strict=True)
-    )
-    return replace(cache, layers=layers)
+
+    def layer(kb, vb) -> CacheConfig:
+        if isinstance(kb, list):
+            pairs = tuple(zip(kb, vb, strict=True))
+            if len(set(pairs)) > 1:
+                return replace(cache, head_bits=pairs)
+            kb, vb = pairs[0]
+        return replace(cache, key=replace(cache.key, bits=kb), value=replace(cache.value, bits=vb))
+
+    return replace(cache, layers=tuple(layer(kb, vb) for kb, vb in zip(key_bits, value_bits, strict=True)))
 
 
 def apply_file(precision: Mapping | None, cache: CacheConfig) -> CacheConfig:
@@ -206,6 +249,8 @@ def hash_part(precision: Mapping | None) -> dict[str, Any] | None:
         d = read_file(s["path"])
         return {"name": "file", "key_bits": d["key_bits"], "value_bits": d["value_bits"]}
     part = {k: s[k] for k in ("name", "budget", "choices", "tokens", "source")}
+    if s["granularity"] != "layer":  # left out at its default: hashes from before it existed stay
+        part["granularity"] = s["granularity"]
     if s["source"] == "file":
         from kvq_lab.tasks.text import read_text_file
 

@@ -48,8 +48,13 @@ def quantize_kv(
     Sink tokens stay exact and groups start at the first non-sink token; the config's transforms wrap each
     quantizer. Position-dependent transforms (rope=pre) need `rope` (the model's rotary module): the tokens sit at
     positions 0..T-1. `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
-    fake quant).
+    fake quant). Per-head bits (`head_bits`): each width's heads quantized at their width.
     """
+    if cache.head_bits:
+        kq, vq = torch.empty_like(key, dtype=torch.float32), torch.empty_like(value, dtype=torch.float32)
+        for c, idx in cache.head_groups():
+            kq[idx], vq[idx] = quantize_kv(key[idx], value[idx], c, rope)
+        return kq, vq
     kp, vp = cache.pipelines()
     pos = None
     if any(p is not None and p.positional for p in (kp, vp)):

@@ -77,7 +77,9 @@ class RunSchema(CacheKnobs):
         "`uniform`: every layer at `key_bits`/`value_bits`; `search`: per-layer (key bits, value bits) from "
         "`precision.choices` ([2,3,4,8]) with the least logit-KL sensitivity under `precision.budget` stored bits per "
         "K/V element (counted as the packed cache's `nbytes()` counts, at `precision.tokens`), written to "
-        "`<run>/precision.yaml`; `file`: `precision.path=<that file>` reruns it (`kvq_lab/fit/precision.py`, KVTuner)",
+        "`<run>/precision.yaml`; `file`: `precision.path=<that file>` reruns it (`kvq_lab/fit/precision.py`, KVTuner). "
+        "`precision.granularity=head`: bits per KV head of each layer (each width's heads stored as a layer of their "
+        "own, decoded on the PyTorch path)",
         factory=dict,
     )
 
@@ -186,7 +188,7 @@ def build(cfg) -> RunConfig:
     calibration_settings.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, not the task's
     limit = _int(c, "limit", lo=1, allow_none=True)
     seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
-    if batch_size > 1 and cache.policy != "kivi":
+    if batch_size > 1 and cache.splits_tokens:
         raise ConfigError(
             f"policy={cache.policy} splits each prompt by its own scores and runs one prompt at a time: use "
             f"batch_size=1 (got {batch_size})"
@@ -199,7 +201,7 @@ def build(cfg) -> RunConfig:
     check_keys("logger", c["logger"], LOGGER_KEYS[logger])
     if logger == "wandb" and c["logger"].get("mode") not in WANDB_MODES:
         raise ConfigError(f"logger.mode={c['logger'].get('mode')!r}; choose offline, online or disabled")
-    if (flags["probe"] or task_name == "probe") and cache.policy != "kivi":
+    if (flags["probe"] or task_name == "probe") and cache.splits_tokens:
         raise ConfigError(
             f"the probes measure the error of every token's quantizer; policy={cache.policy}'s tiers and dropped "
             "tokens are not modelled there: probe with policy=kivi"
@@ -306,6 +308,7 @@ CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual correction
 CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
 CACHE_DEFAULTS.update(policy="kivi", policy_options=())  # cache policies (kvq_lab.cache.policies)
 CACHE_DEFAULTS["prefill"] = None  # what the prompt's forward reads (unset: the mode's and the task's own)
+CACHE_DEFAULTS["head_bits"] = ()  # per-head bits (a layer's, set by precision search: hashed via `precision`)
 WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
 
 

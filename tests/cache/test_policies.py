@@ -1,10 +1,11 @@
 """Cache policies (`kvq_lab.cache.policies`), driven by the registry: a new policy is covered with no edit here.
 
 For every registered policy: its conf file is its defaults; at 16 bits, with the options under which it keeps every
-token (`Policy.lossless`), it is DynamicCache; simulated and packed mode store the same where both apply (per-token
-groups, no window); the packed cache's bytes are the bit accounting's layout arithmetic; a batch is refused where the
-policy splits prompts one at a time. The default policy reproduces the outputs saved before policies existed, bit
-for bit."""
+token (`Policy.lossless`), it is DynamicCache in each mode it runs in (`Policy.modes`); simulated and packed mode
+store the same where both apply (per-token groups, no window); the packed cache's bytes are the bit accounting's
+layout arithmetic; a left-padded batch holds what each prompt holds alone where the policy takes batches, and is
+refused in one line where it splits prompts one at a time. The default policy reproduces the outputs saved before
+policies existed, bit for bit, and `fakequant` the Table-1 ones."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from transformers import DynamicCache
 from kvq_lab.cache import QuantizedKVCache
 from kvq_lab.cache.accounting import layer_bits
 from kvq_lab.cache.knobs import cache_config
-from kvq_lab.cache.policies import POLICIES, get_policy
+from kvq_lab.cache.policies import POLICIES, TokenPolicy, get_policy
 from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in policies)
 from kvq_lab.cache.policies.scores import received, score
 from kvq_lab.cache.tiered import TieredLayer
@@ -28,7 +29,9 @@ from kvq_lab.common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 NAMES = sorted(POLICIES)
-TIERED = [n for n in NAMES if n != "kivi"]
+TIERED = [n for n in NAMES if issubclass(POLICIES[n], TokenPolicy)]  # token policies: the prompt split in tiers
+WHOLE = [n for n in NAMES if n not in TIERED]  # every token stored by the mode's layers
+IN_MODE = [(n, m) for n in NAMES for m in POLICIES[n].modes]
 IDS = torch.randint(3, 256, (1, 352), generator=torch.Generator().manual_seed(5))  # 32 + 320: whole packing blocks
 
 
@@ -51,6 +54,26 @@ def test_the_default_policy_reproduces_todays_outputs_bit_for_bit(tiny, referenc
     assert torch.equal(got["tokens"], reference[name]["tokens"])
 
 
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if n.startswith("table1")))
+def test_the_fakequant_policy_reproduces_table_1_bit_for_bit(tiny, reference, name):
+    got = outputs(tiny, {**CONFIGS[name], "policy": "fakequant"})
+    assert torch.equal(got["logits"], reference[name]["logits"])
+    assert torch.equal(got["tokens"], reference[name]["tokens"])
+
+
+@pytest.mark.parametrize(
+    "knobs,match",
+    [
+        ({"mode": "packed"}, "policy=fakequant is KIVI Table 1's fake quant of every token; mode=packed keeps"),
+        ({"mode": "simulated", "prefill": "exact"}, "policy=fakequant quantizes the prompt too"),
+    ],
+)
+def test_fakequant_refuses_what_is_not_table_1(knobs, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        cache_config({**knobs, "policy": "fakequant"})
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "conf" / "policy").glob("*.yaml")), ids=lambda p: p.stem)
 def test_a_policy_conf_file_is_the_policys_defaults(path):
     conf = yaml.safe_load(path.read_text())
@@ -64,8 +87,7 @@ def test_every_built_in_policy_has_a_conf_file():
     assert built_in <= {p.stem for p in (REPO / "conf" / "policy").glob("*.yaml")}
 
 
-@pytest.mark.parametrize("mode", ["simulated", "packed"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,mode", IN_MODE)
 def test_sixteen_bits_keeping_every_token_is_dynamic_cache(tiny, name, mode):
     ref = gen(tiny, DynamicCache(config=tiny.config), IDS)
     assert torch.equal(gen(tiny, _cache(tiny, name, POLICIES[name].lossless, bits=16, mode=mode), IDS), ref)
@@ -79,7 +101,7 @@ def test_simulated_and_packed_store_the_same_where_both_apply(tiny, name):
     assert torch.equal(gen(tiny, _cache(tiny, name, mode="packed", **knobs), IDS, n=12), sim)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if "packed" in POLICIES[n].modes])
 def test_packed_bytes_are_the_layout_arithmetic(tiny, name):
     """Every tier holds whole packing blocks here (320 middle tokens in shares of fifths and halves), so the stored
     bytes after the prompt are what `layer_bits` counts, exactly. Per-token groups: per-channel ones also keep a
@@ -90,6 +112,34 @@ def test_packed_bytes_are_the_layout_arithmetic(tiny, name):
     H, D, T = tiny.config.num_key_value_heads, tiny.config.head_dim, IDS.shape[1]
     want = sum(layer_bits(cache.layers[0].cfg, t, T, H, D) for t in ("key", "value")) * H * T * D / 8
     assert cache.layers[0].nbytes()[0] == want
+
+
+def _fill(cache, k, v, steps: int):
+    """What attention reads after a prompt k, v [B, H, T, D] then `steps` one-token updates (copies)."""
+    T = k.shape[2] - steps
+    outs = [tuple(x.clone() for x in cache.update(k[:, :, :T], v[:, :, :T], 0))]
+    for t in range(T, k.shape[2]):
+        outs.append(tuple(x.clone() for x in cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)))
+    return outs
+
+
+@pytest.mark.parametrize("name,mode", [(n, m) for n, m in IN_MODE if n in WHOLE])
+def test_a_left_padded_batch_holds_what_each_prompt_holds_alone(name, mode):
+    """At the cache level: row b of a left-padded batch reads, at its real positions, what its prompt alone reads."""
+    knobs = {"bits": 2, "backend": "torch", "mode": mode, "sink_tokens": 4, "policy": name}
+    cfg = cache_config({**knobs, "residual_length": 32} if mode == "packed" else knobs)
+    lengths, steps = (70, 45), 4
+    T = max(lengths)
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 2, T + steps, 64, generator=g), torch.randn(2, 2, T + steps, 64, generator=g)
+    batch = QuantizedKVCache(cfg, 1)
+    batch.set_padding(torch.stack([torch.arange(T) >= T - n for n in lengths]).long())
+    outs = _fill(batch, k, v, steps)
+    for b, n in enumerate(lengths):
+        p = T - n
+        alone = _fill(QuantizedKVCache(cfg, 1), k[b : b + 1, :, p:], v[b : b + 1, :, p:], steps)
+        for (bk, bv), (ak, av) in zip(outs, alone, strict=True):
+            assert torch.equal(bk[b : b + 1, :, p:], ak) and torch.equal(bv[b : b + 1, :, p:], av)
 
 
 @pytest.mark.parametrize("name", TIERED)
@@ -190,6 +240,7 @@ def test_a_query_score_without_the_prompts_queries_says_what_to_do(tiny):
 
 def test_only_token_policies_build_tiered_layers(tiny):
     assert not any(isinstance(layer, TieredLayer) for layer in _cache(tiny, "kivi").layers)
+    assert not any(isinstance(layer, TieredLayer) for layer in _cache(tiny, "fakequant").layers)
     assert all(isinstance(layer, TieredLayer) for layer in _cache(tiny, "evict").layers)
     mixed = _cache(tiny, "evict", skip_layers=[1])  # a skipped layer is plain 16 bits
     assert isinstance(mixed.layers[0], TieredLayer) and not isinstance(mixed.layers[1], TieredLayer)

@@ -83,23 +83,31 @@ def model3(tok):
 
 
 @pytest.mark.parametrize(
-    "mode,R,S,rope", [("packed", 0, 0, "post"), ("packed", 32, 4, "post"), ("packed", 32, 4, "pre"),
-                      ("simulated", 0, 0, "post")],
+    "mode,R,S,rope,unit", [("packed", 0, 0, "post", "layer"), ("packed", 32, 4, "post", "layer"),
+                           ("packed", 32, 4, "pre", "layer"), ("simulated", 0, 0, "post", "layer"),
+                           ("packed", 32, 4, "post", "head"), ("packed", 32, 4, "pre", "head"),
+                           ("simulated", 0, 0, "post", "head")],
 )  # fmt: skip
-def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S, rope):
+def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S, rope, unit):
     """The searched cache, filled with `tokens` tokens in packed mode, stores at most the budget in bits per K/V
     element by its own nbytes(); the search's count equals nbytes() exactly (rope=pre: its position ids held once
-    for the cache's layers); the budget is used (the cheapest assignment is under it, so the search had to choose)."""
+    for the cache's layers; per head: each width's heads a layer of their own); the budget is used (the cheapest
+    assignment is under it, so the search had to choose)."""
     T = 128
     base = CacheConfig(mode=mode, residual_length=R, sink_tokens=S, rope=rope)
-    costs = precision.measure_costs(model3, base, [2, 4, 8], T)
-    L = 3
-    low = costs.bits([2] * L, [2] * L)
-    budget = low + 2.0
-    cfg = {"name": "search", "budget": budget, "choices": [2, 4, 8], "tokens": T}  # the run's precision section
+    costs = precision.measure_costs(model3, base, [2, 4, 8], T, unit)
+    L, H = 3, 2
+    low = costs.bits([2] * costs.units, [2] * costs.units)
+    step = 8 * (costs.key[4] - costs.key[2]) / (costs.units * costs.elements)  # one unit's 2 -> 4 bits
+    budget = low + (2.0 if unit == "layer" else 3 * step)  # per head: an odd number of heads upgraded
+    cfg = {"name": "search", "budget": budget, "choices": [2, 4, 8], "tokens": T, "granularity": unit}
     out = precision.resolve(model3, tok, base, cfg, data_dir, tmp_path)
-    kb, vb = [c.key.bits for c in out.layers], [c.value.bits for c in out.layers]
-    assert kb + vb != [2] * (2 * L)  # room to upgrade was used
+    saved = precision_config.read_file(str(tmp_path / "precision.yaml"))
+    kb, vb = saved["key_bits"], saved["value_bits"]
+    assert precision.flat(kb) + precision.flat(vb) != [2] * (2 * costs.units)  # room to upgrade was used
+    if unit == "head":
+        assert [len(x) for x in kb + vb] == [H] * (2 * L)
+        assert any(c.head_bits for c in out.layers)  # some layer's heads differ: stored as heads of their widths
     packed = precision_config.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S, rope=rope), kb, vb)
     cache = QuantizedKVCache.for_model(model3, packed)
     with torch.no_grad():
@@ -111,11 +119,13 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     assert (tmp_path / "precision.yaml").is_file()
 
 
-def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
+@pytest.mark.parametrize("unit", ["layer", "head"])
+def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir, unit):
     from kvq_lab.run.runner import run
 
     args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["mode=simulated", "precision.tokens=64"]
-    searched = run(compose(args + ["precision=search", "precision.budget=13.5", "precision.choices=[2,4,8]"]))
+    search = ["precision=search", "precision.budget=13.5", "precision.choices=[2,4,8]", f"precision.granularity={unit}"]
+    searched = run(compose(args + search))
     files = list(tmp_path.glob("runs/*/precision.yaml"))
     assert len(files) == 1
     again = run(compose(args[:-1] + ["precision=file", f"precision.path={files[0]}"]))
@@ -123,7 +133,9 @@ def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir):
     assert again[ppl] == searched[ppl]
     assert again["precision/bits_stored"] == searched["precision/bits_stored"] <= 13.5
     d = precision_config.read_file(str(files[0]))
-    assert (d["key_bits"], d["value_bits"]) != ([2, 2], [2, 2])  # pair: the file's bits are not the uniform run's
+    uniform_bits = [[2, 2], [2, 2]] if unit == "layer" else [[[2, 2], [2, 2]], [[2, 2], [2, 2]]]
+    assert [d["key_bits"], d["value_bits"]] != uniform_bits  # pair: the file's bits are not the uniform run's
+    assert d["granularity"] == unit
     uniform = run(compose(args[:-1]))
     assert uniform[ppl] != again[ppl]
 
@@ -168,6 +180,17 @@ def no_load(monkeypatch):
         (["precision=file", "precision.path=/nonexistent.yaml"], "precision.path"),
         (["precision=search", "precision.budget=4", "mode=recompute"], "mode=recompute"),
         (["precision=uniform", "+precision.bugdet=3"], "precision.bugdet is not a precision setting"),
+        (["precision=search", "precision.budget=4", "precision.granularity=heads"], "precision.granularity='heads'"),
+        (
+            [
+                "precision=search",
+                "precision.budget=9",
+                "precision.choices=[2]",
+                "precision.granularity=head",
+                "format=lut",
+            ],
+            "granularity=head with key_format=lut: it stores a table",
+        ),
     ],
 )
 def test_bad_settings_fail_before_load(tiny_model_dir, tmp_path, data_dir, no_load, overrides, match):
@@ -182,6 +205,57 @@ def test_not_a_precision_file(tiny_model_dir, tmp_path, data_dir, no_load):
     bad.write_text("key_bits: [2]\n")
     with pytest.raises(ConfigError, match="not a precision file"):
         validate(compose(tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=file", f"precision.path={bad}"]))
+
+
+@pytest.mark.parametrize(
+    "key_bits,value_bits,match",
+    [
+        ([[2, 4], [2]], [[2, 2], [2, 2]], "per-head bits must give every layer the same number of heads"),
+        ([[2, 4], 2], [[2, 2], [2, 2]], "per-head bits must give every layer"),
+        ([[2, 4, 4], [2, 2, 2]], [[2, 2, 2], [2, 2, 2]], "per-head bits give layer 0 3 heads but the model has 2 KV"),
+    ],
+)
+def test_bad_per_head_files_fail_before_load(tiny_model_dir, tmp_path, data_dir, no_load, key_bits, value_bits, match):
+    path = tmp_path / "p.yaml"
+    precision_config.write_file(path, key_bits, value_bits, {})
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=file", f"precision.path={path}"]
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(compose(args))
+    assert "\n" not in str(e.value) and not no_load
+
+
+def test_sensitive_heads_get_the_bits():
+    """Per head: with room for one upgrade, it goes to the most sensitive (layer, head, tensor); the file's shape is
+    [L][H]; a layer whose heads were given one width is a plain layer (the mode's own, fused kernels included)."""
+    costs = precision.Costs(key={2: 10, 4: 20}, value={2: 10, 4: 20}, fixed=0, elements=40, layers=2, heads=2)
+    sens = {
+        "key": {2: [[0.1, 0.2], [0.1, 5.0]], 4: [[0.0, 0.0], [0.0, 0.0]]},
+        "value": {2: [[0.3, 0.1], [0.2, 0.1]], 4: [[0.0, 0.0], [0.0, 0.0]]},
+    }
+    low = costs.bits([2] * 4, [2] * 4)
+    kb, vb = precision.search(sens, costs, budget=low + 10 * 8 / 160, choices=[2, 4])
+    assert (kb, vb) == ([[2, 2], [2, 4]], [[2, 2], [2, 2]])
+    layers = precision_config.per_layer(CacheConfig(), kb, vb).layers
+    assert layers[0].head_bits == () and layers[0].key.bits == 2
+    assert layers[1].head_bits == ((2, 2), (4, 2))
+
+
+def test_per_head_sensitivity_is_the_layers_where_one_head_is_all(model3):
+    """With one KV head per layer, quantizing "head 0" is quantizing the layer: the per-head KLs are the per-layer
+    ones; with two, each head's KL is below its layer's (half the error) and they differ between heads."""
+    from conftest import tiny_llama
+
+    ids = torch.randint(3, 1000, (1, 48), generator=torch.Generator().manual_seed(0))
+    one = tiny_llama(vocab=1024, layers=2, heads=2, kv_heads=1)
+    per_layer = precision.sensitivities(one, ids, CacheConfig(), [2])
+    per_head = precision.sensitivities(one, ids, CacheConfig(), [2], "head")
+    for t in ("key", "value"):
+        assert per_layer[t][2] == pytest.approx([row[0] for row in per_head[t][2]], rel=1e-6)
+        assert all(len(row) == 1 for row in per_head[t][2])
+    layer = precision.sensitivities(model3, ids, CacheConfig(), [2])["key"][2]
+    heads = precision.sensitivities(model3, ids, CacheConfig(), [2], "head")["key"][2]
+    for i, row in enumerate(heads):
+        assert max(row) < layer[i] and row[0] != row[1]
 
 
 def test_file_run_hashes_by_content(tmp_path):
@@ -214,6 +288,19 @@ def test_probes_read_each_layers_specs(model3):
     uni = probe_model(model3, ids, CacheConfig()).tables["attn_out"]["rel_fro"].mean(-1)
     assert per[0] < per[1] / 10 and per[2] < per[1] / 10
     assert float(per[1]) == pytest.approx(float(uni[1]))
+
+
+def test_probes_quantize_each_head_at_its_width():
+    from kvq_lab.probes.errors import quantize_kv
+
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(3, 40, 64, generator=g), torch.randn(3, 40, 64, generator=g)
+    cfg = CacheConfig(sink_tokens=4, head_bits=((2, 8), (8, 2), (2, 8)))
+    kq, vq = quantize_kv(k, v, cfg)
+    for h in range(3):
+        hk, hv = quantize_kv(k[h : h + 1], v[h : h + 1], cfg.for_head(h))
+        assert torch.equal(kq[h : h + 1], hk) and torch.equal(vq[h : h + 1], hv)
+    assert (kq[1] - k[1]).abs().max() < (kq[0] - k[0]).abs().max() / 10
 
 
 def test_fitted_methods_refused(tiny_model_dir, tmp_path, data_dir, no_load):

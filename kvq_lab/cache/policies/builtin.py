@@ -3,4 +3,4 @@
 The one place that knows the plugins: a new policy adds its import here.
 """
 
-from kvq_lab.cache.policies import evict, kivi, mikv, saliency  # noqa: F401  (registration)
+from kvq_lab.cache.policies import evict, fakequant, kivi, mikv, saliency  # noqa: F401  (registration)
