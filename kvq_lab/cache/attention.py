@@ -6,7 +6,9 @@ ordinary tensors to SDPA unchanged and, on decode steps, receives a `PackedKV` h
 layer's `decode_view()` (plain tensors) then goes to its backend's `decode_attention`.
 
 A token policy whose score reads queries (`kvq_lab.cache.tiered`) is handed the prompt's queries and keys right after
-the prompt's SDPA, through the attention module's `kvq_observer` (a weak reference to its cache layer).
+the prompt's SDPA, through the attention module's `kvq_observer` (a weak reference to its cache layer). On a batch's
+decode steps a token policy's layer hands a `MaskedKV` (each row's kept columns, right-aligned, and which columns a
+row holds): the model's mask counts positions, not what each row kept, so the mask is made here instead.
 
 Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
@@ -43,6 +45,26 @@ class PackedKV:
         self.layer = layer
 
 
+class MaskedKV:
+    """What a token policy's layer hands the attention function on a batch's steps (`kvq_lab.cache.tiered`): K/V
+    [B, Hkv, S, D], each row's columns right-aligned, and `valid` [B, S] (False: a column the row does not hold). The
+    step's n new tokens are every row's last n columns."""
+
+    __slots__ = ("keys", "valid", "values")
+
+    def __init__(self, keys, values, valid):
+        self.keys, self.values, self.valid = keys, values, valid
+
+    def mask(self, n: int):
+        """[B, 1, n, S] bool, True = attend: a row's own columns, the new tokens causally."""
+        import torch
+
+        S = self.keys.shape[2]
+        i = torch.arange(n, device=self.valid.device)[:, None]
+        causal = torch.arange(S, device=self.valid.device)[None, :] <= S - n + i  # [n, S]
+        return self.valid[:, None, None, :] & causal[None, None]
+
+
 def route_model(model, layers) -> bool:
     """Route an `sdpa` model's attention through `kvq_sdpa` and mark `layers` fused; True when routed.
 
@@ -60,10 +82,16 @@ def route_model(model, layers) -> bool:
 
 
 def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """`kvq_sdpa`: SDPA for ordinary tensors, the packed-cache decode path for `PackedKV` handles.
+    """`kvq_sdpa`: SDPA for ordinary tensors, the packed-cache decode path for `PackedKV` handles, SDPA under the
+    handle's own mask for `MaskedKV` ones.
 
     query [B, Hq, 1, D] -> ([B, 1, Hq, D], None) on decode steps, the layout `sdpa_attention_forward` returns.
     """
+    if isinstance(key, MaskedKV):  # a token policy's batch: each row's own columns (the class docstring)
+        mask = key.mask(query.shape[2])
+        return sdpa_attention_forward(
+            module, query, key.keys, key.values, mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if not isinstance(key, PackedKV):
         out = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -88,11 +88,13 @@ class CacheKnobs:
     policy: Any = knob(
         None,
         "which tokens are stored at how many bits (`kvq_lab/cache/policies/`): `kivi` (default; every token as `mode` "
-        "says), `fakequant` (KIVI Table 1 by name: simulated mode, the prompt quantized), `evict` (keep the top `policy.keep` share of the prompt by `policy.score`, drop the rest), `mikv` "
+        "says), `fakequant` (KIVI Table 1 by name: simulated mode, the prompt quantized), `evict` (keep the top "
+        "`policy.keep` share of the prompt by `policy.score`, drop the rest), `mikv` "
         "(the rest at `policy.low_bits` instead), `saliency` (ZipCache: the top `policy.high` share at "
         "`policy.high_bits`); scores `knorm`, `attention` (H2O), `snapkv`, `normalized` (ZipCache); the prompt's "
-        "sinks and last `policy.window` tokens (32) stay with the mode's layer. Token policies run one prompt at a "
-        "time (`batch_size=1`), keys after RoPE; `nbytes()` and `cache/bits_total` count every tier",
+        "sinks and last `policy.window` tokens (32) stay with the mode's layer. Token policies split each prompt of a "
+        "batch on its own (decoded through the routed sdpa attention), keys after RoPE; `nbytes()` and "
+        "`cache/bits_total` count every tier",
         factory=lambda: {"name": "kivi"},
     )
     skip_layers: Any = knob(

@@ -188,11 +188,6 @@ def build(cfg) -> RunConfig:
     calibration_settings.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, not the task's
     limit = _int(c, "limit", lo=1, allow_none=True)
     seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
-    if batch_size > 1 and cache.splits_tokens:
-        raise ConfigError(
-            f"policy={cache.policy} splits each prompt by its own scores and runs one prompt at a time: use "
-            f"batch_size=1 (got {batch_size})"
-        )
     flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
     results_dir = check_paths(c)
     logger = c["logger"].get("name")

@@ -3,8 +3,8 @@
 For every registered policy: its conf file is its defaults; at 16 bits, with the options under which it keeps every
 token (`Policy.lossless`), it is DynamicCache in each mode it runs in (`Policy.modes`); simulated and packed mode
 store the same where both apply (per-token groups, no window); the packed cache's bytes are the bit accounting's
-layout arithmetic; a left-padded batch holds what each prompt holds alone where the policy takes batches, and is
-refused in one line where it splits prompts one at a time. The default policy reproduces the outputs saved before
+layout arithmetic; a left-padded batch holds what each prompt holds alone (and, for token policies, generates what
+each generates alone). The default policy reproduces the outputs saved before
 policies existed, bit for bit, and `fakequant` the Table-1 ones."""
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from kvq_lab.common.errors import ConfigError
 REPO = Path(__file__).resolve().parents[2]
 NAMES = sorted(POLICIES)
 TIERED = [n for n in NAMES if issubclass(POLICIES[n], TokenPolicy)]  # token policies: the prompt split in tiers
-WHOLE = [n for n in NAMES if n not in TIERED]  # every token stored by the mode's layers
 IN_MODE = [(n, m) for n in NAMES for m in POLICIES[n].modes]
 IDS = torch.randint(3, 256, (1, 352), generator=torch.Generator().manual_seed(5))  # 32 + 320: whole packing blocks
 
@@ -114,47 +113,93 @@ def test_packed_bytes_are_the_layout_arithmetic(tiny, name):
     assert cache.layers[0].nbytes()[0] == want
 
 
-def _fill(cache, k, v, steps: int):
-    """What attention reads after a prompt k, v [B, H, T, D] then `steps` one-token updates (copies)."""
-    T = k.shape[2] - steps
-    outs = [tuple(x.clone() for x in cache.update(k[:, :, :T], v[:, :, :T], 0))]
+def _fill(cache, k, v, steps: int, query=None):
+    """What attention reads after a prompt k, v [B, H, T, D] then `steps` one-token updates, per call and row: the
+    columns row b holds ([1, H, n_b, D] K and V copies; a left-padded batch's padding and a token policy's unheld
+    columns left out). `query` [B, Hq, T, D]: handed to a layer that ranks by queries after the prompt, as the routed
+    attention hands it."""
+    from kvq_lab.cache.attention import MaskedKV
+
+    B, T = k.shape[0], k.shape[2] - steps
+    valid = cache.padding.valid(B, k.shape[2])
+
+    def rows(out):
+        if isinstance(out[0], MaskedKV):
+            keys, values, keep = out[0].keys, out[0].values, list(out[0].valid)
+        else:
+            keys, values, n = out[0], out[1], out[0].shape[2]
+            keep = [slice(None) if valid is None else valid[b, :n] for b in range(B)]
+        return [(keys[b : b + 1, :, keep[b]].clone(), values[b : b + 1, :, keep[b]].clone()) for b in range(B)]
+
+    outs = [rows(cache.update(k[:, :, :T], v[:, :, :T], 0))]
+    layer = cache.layers[0]
+    if query is not None and getattr(layer, "pending", False) and layer.wants_queries(query):
+        layer.observe(query, k[:, :, :T], 0.125)
     for t in range(T, k.shape[2]):
-        outs.append(tuple(x.clone() for x in cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)))
+        outs.append(rows(cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)))
     return outs
 
 
-@pytest.mark.parametrize("name,mode", [(n, m) for n, m in IN_MODE if n in WHOLE])
+@pytest.mark.parametrize("name,mode", IN_MODE)
 def test_a_left_padded_batch_holds_what_each_prompt_holds_alone(name, mode):
-    """At the cache level: row b of a left-padded batch reads, at its real positions, what its prompt alone reads."""
+    """At the cache level: row b of a left-padded batch reads what its prompt alone reads, at every step (a token
+    policy ranks each row by its own queries and keeps its own tokens)."""
     knobs = {"bits": 2, "backend": "torch", "mode": mode, "sink_tokens": 4, "policy": name}
     cfg = cache_config({**knobs, "residual_length": 32} if mode == "packed" else knobs)
-    lengths, steps = (70, 45), 4
+    lengths, steps = (150, 101), 4
     T = max(lengths)
     g = torch.Generator().manual_seed(2)
     k, v = torch.randn(2, 2, T + steps, 64, generator=g), torch.randn(2, 2, T + steps, 64, generator=g)
+    q = torch.randn(2, 4, T, 64, generator=g)
     batch = QuantizedKVCache(cfg, 1)
+    batch.layers[0].routed = True  # as QuantizedKVCache.for_model sets it on an sdpa model
     batch.set_padding(torch.stack([torch.arange(T) >= T - n for n in lengths]).long())
-    outs = _fill(batch, k, v, steps)
+    outs = _fill(batch, k, v, steps, q)
     for b, n in enumerate(lengths):
         p = T - n
-        alone = _fill(QuantizedKVCache(cfg, 1), k[b : b + 1, :, p:], v[b : b + 1, :, p:], steps)
-        for (bk, bv), (ak, av) in zip(outs, alone, strict=True):
-            assert torch.equal(bk[b : b + 1, :, p:], ak) and torch.equal(bv[b : b + 1, :, p:], av)
+        alone = QuantizedKVCache(cfg, 1)
+        one = _fill(alone, k[b : b + 1, :, p:], v[b : b + 1, :, p:], steps, q[b : b + 1, :, p:])
+        for got, want in zip(outs, one, strict=True):
+            assert torch.equal(got[b][0], want[0][0]) and torch.equal(got[b][1], want[0][1])
+        if name in TIERED:
+            assert batch.layers[0].rows[b].split_sizes == alone.layers[0].split_sizes
 
 
 @pytest.mark.parametrize("name", TIERED)
-def test_a_batch_is_refused_in_one_line(tiny, name, data_dir):
-    from helpers_models import compose
+def test_a_batch_generates_what_each_prompt_generates_alone(tiny, name):
+    """Through the model: a left-padded batch of two prompts of different lengths (the routed sdpa attention masks
+    each row's own columns) greedily generates what each prompt generates alone, up to the batched arithmetic of
+    the model (agreement of the logits to 1e-4, and the same tokens)."""
+    lengths = (150, 101)
+    T = max(lengths)
+    ids = torch.randint(3, 256, (2, T), generator=torch.Generator().manual_seed(3))
+    mask = torch.stack([torch.arange(T) >= T - n for n in lengths]).long()
+    ids = ids * mask
+    cache = _cache(tiny, name)
+    cache.set_padding(mask)
+    with torch.no_grad():
+        out = tiny.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        for b, n in enumerate(lengths):
+            alone = tiny.generate(
+                ids[b : b + 1, T - n :], past_key_values=_cache(tiny, name), max_new_tokens=8, do_sample=False,
+                output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            )  # fmt: skip
+            assert torch.equal(out.sequences[b, T:], alone.sequences[0, n:])
+            for got, want in zip(out.logits, alone.logits, strict=True):
+                assert torch.allclose(got[b], want[0], atol=1e-4)
 
-    from kvq_lab.run.config import build
 
-    cfg = compose([f"data_dir={data_dir}", "batch_size=2"])
-    cfg.policy.name = name  # the conf group holds the built-in policies; any registered one is valid by name
-    with pytest.raises(ConfigError, match=f"policy={name} splits each prompt .* use batch_size=1"):
-        build(cfg)
-    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match="one unpadded prompt at a time"), torch.no_grad():
-        tiny(ids, past_key_values=_cache(tiny, name))
+def test_a_batch_needs_the_routed_attention(tiny):
+    cache = QuantizedKVCache(cache_config({"bits": 2, "policy": {"name": "evict", "score": "knorm"}}), 1)
+    cache.set_padding(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    k = torch.randn(2, 2, 3, 64)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="decodes a batch through the routed sdpa attention") as e:
+        cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("name", TIERED)
