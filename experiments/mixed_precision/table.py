@@ -1,10 +1,11 @@
 """Table and figure of experiments/mixed_precision from its run records (python experiments/mixed_precision/table.py).
 
-Rows: one per cache (uniform b-bit, or a searched per-layer assignment), with decode ppl (the full task, 4 windows x
-512 scored tokens, and the quick version's 4 x 256, each where run), CoQA-turns F1 (when run),
-mean key/value code bits, and stored bits per K/V element counted as the search counts them
+Rows: one per cache (uniform b-bit, or a searched per-layer or per-head assignment), with decode ppl (the full task,
+4 windows x 512 scored tokens, and the quick version's 4 x 256, each where run), CoQA-turns F1 (when run), mean
+key/value code bits, and stored bits per K/V element counted as the search counts them
 (`kvq_lab.fit.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
-per-layer key and value bits of each searched row (per_layer_bits.png).
+per-layer key and value bits of each searched row (per_layer_bits.png; a per-head row: each layer's mean over its KV
+heads).
 """
 
 from __future__ import annotations
@@ -56,6 +57,47 @@ def paired(rows) -> list[str]:
     return ["", *out] if out else []
 
 
+def per_unit_bits(cc: dict, tensor: str) -> list:
+    """A record's bits per layer (30 layers; an int each, or a list per KV head where the layer's heads differ)."""
+    layers = cc.get("layers") or []
+    if not layers:
+        return [cc[tensor]["bits"]] * 30
+    i = 0 if tensor == "key" else 1
+    return [[h[i] for h in lc["head_bits"]] if lc.get("head_bits") else lc[tensor]["bits"] for lc in layers]
+
+
+def mean(bits: list) -> float:
+    units = precision.flat(bits)
+    return sum(units) / len(units)
+
+
+def _tuple(bits: list) -> tuple:
+    return tuple(tuple(b) if isinstance(b, list) else b for b in bits)
+
+
+def per_head_vs_layer(rows) -> list[str]:
+    """Searched per head vs searched per layer at equal stored bits: the decode ppl ratio (same 4 x 512 tokens)."""
+    out = []
+    layer = [r for r in rows if r["budget"] and not r["heads"] and 512 in r["ppl"] and "stored" in r]
+    for h in sorted((r for r in rows if r["budget"] and r["heads"] and 512 in r["ppl"]), key=lambda r: r["budget"]):
+        for r in layer:
+            if abs(r["stored"] - h.get("stored", -1)) < 1e-9:
+                change = 100 * (h["ppl"][512] / r["ppl"][512] - 1)
+                line = (
+                    f"- {h['label']} vs {r['label']} (both {r['stored']:.3f} bits per element): decode ppl "
+                    f"{h['ppl'][512]:.2f} vs {r['ppl'][512]:.2f} ({change:+.1f}%)"
+                )
+                if "samples" in h and "samples" in r:
+                    a, b = (
+                        {x["doc_id"]: 100 * float(x["f1"]) for x in json.loads(q["samples"].read_text())}
+                        for q in (r, h)
+                    )
+                    mean_f1, se, n = paired_difference(a, b)
+                    line += f"; CoQA-turns F1 {mean_f1:+.2f} ± {se:.2f} (paired over the same {n} turns)"
+                out.append(line)
+    return ["", *out] if out else []
+
+
 def spec(d) -> QuantSpec:
     return QuantSpec(d["bits"], d["group_size"], d["axis"], d["format"])
 
@@ -65,18 +107,21 @@ def main() -> None:
 
     model, _ = load_model("smollm2-135m")
     rows: dict[tuple, dict] = {}
+    H = model.config.num_key_value_heads
     tokens = set()  # the searches' precision.tokens: every row's bytes are counted at that length
     for folder, r in records():
         cc = r["cache_config"]
         layers = cc.get("layers") or []
-        kb = [lc["key"]["bits"] for lc in layers] or [cc["key"]["bits"]] * 30
-        vb = [lc["value"]["bits"] for lc in layers] or [cc["value"]["bits"]] * 30
+        kb, vb = per_unit_bits(cc, "key"), per_unit_bits(cc, "value")
         prec = r["config"].get("precision") or {}
         name = prec.get("name", "uniform")
         budget = prec.get("budget") if name == "search" else None
+        heads = prec.get("granularity") == "head" or any(lc.get("head_bits") for lc in layers)
+        if heads:  # a layer whose heads agree is stored as a plain layer config: one unit per head all the same
+            kb, vb = ([b if isinstance(b, list) else [b] * H for b in bits] for bits in (kb, vb))
         # CoQA rows rerun a searched file (precision=file): they join the searched row with the same bits
-        key = (tuple(kb), tuple(vb))
-        row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "folder": folder, "ppl": {}})
+        key = (_tuple(kb), _tuple(vb))
+        row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "heads": heads, "folder": folder, "ppl": {}})
         row["budget"] = row["budget"] or budget
         m = r["metrics"]
         if "ppl/ppl" in m:  # keyed by scored tokens per window: the quick version (256) and the full one (512)
@@ -100,25 +145,28 @@ def main() -> None:
         "decode ppl, 4 x 256 (quick) | CoQA-turns F1 ± SE (turns) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for (kb, vb), row in sorted(rows.items(), key=lambda kv: sum(kv[0][0]) + sum(kv[0][1])):
-        reference = set(kb) | set(vb) == {16}
+    for row in sorted(rows.values(), key=lambda r: (mean(r["kb"]) + mean(r["vb"]), r["heads"])):
+        kb, vb = row["kb"], row["vb"]
+        used = set(precision.flat(kb)) | set(precision.flat(vb))
+        reference = used == {16}
         if reference:  # 16 bits: the exact cache, stored in the model's dtype; not a point of the byte budget
             stored, label = "-", "16-bit (reference)"
         else:
-            costs = precision.measure_costs(model, base, sorted(set(kb) | set(vb)), T)
-            row["stored"] = costs.bits(list(kb), list(vb))
+            costs = precision.measure_costs(model, base, sorted(used), T, "head" if row["heads"] else "layer")
+            row["stored"] = costs.bits(kb, vb)
             stored = f"{row['stored']:.3f}"
-            label = f"searched, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
+            unit = "per head" if row["heads"] else "per layer"
+            label = f"searched {unit}, budget {row['budget']:g}" if row["budget"] else f"uniform {kb[0]}-bit"
         se = f" ± {row['f1_se']:.1f}" if row.get("f1_se") is not None else ""
         f1 = f"{row['f1']:.2f}{se} ({row['n']})" if "f1" in row else "-"
         ppl = [f"{row['ppl'][t]:.2f}" if t in row["ppl"] else "-" for t in (512, 256)]
         budget = f"{row['budget']:g}" if row["budget"] else "-"
         lines.append(
-            f"| {label} | {budget} | {sum(kb) / len(kb):.2f} | {sum(vb) / len(vb):.2f} | {stored} | {ppl[0]} | "
-            f"{ppl[1]} | {f1} |"
+            f"| {label} | {budget} | {mean(kb):.2f} | {mean(vb):.2f} | {stored} | {ppl[0]} | {ppl[1]} | {f1} |"
         )
         row["label"] = label
     lines += paired(rows.values())
+    lines += per_head_vs_layer(rows.values())
     table = "\n".join(lines)
     print(table)
     (HERE / "table.md").write_text(table + "\n")
@@ -134,8 +182,8 @@ def main() -> None:
     fig, axes = plt.subplots(len(searched), 1, figsize=(9, 2.2 * len(searched)), sharex=True, squeeze=False)
     for ax, row in zip(axes[:, 0], sorted(searched, key=lambda r: r["budget"]), strict=True):
         x = range(len(row["kb"]))
-        ax.step(x, row["kb"], where="mid", label="key bits", lw=2)
-        ax.step(x, row["vb"], where="mid", label="value bits", lw=2, ls="--")
+        ax.step(x, [mean([b]) for b in row["kb"]], where="mid", label="key bits", lw=2)
+        ax.step(x, [mean([b]) for b in row["vb"]], where="mid", label="value bits", lw=2, ls="--")
         ax.set_ylabel("bits")
         ax.set_yticks([2, 3, 4, 8])
         ax.set_title(row["label"], fontsize=9)
