@@ -37,6 +37,17 @@ def f1_se(samples: Path) -> float | None:
     return mean_se([100 * float(x["f1"]) for x in json.loads(samples.read_text())])[1]
 
 
+def turn_f1(row: dict) -> dict:
+    """A CoQA row's per-turn F1 in % by doc_id, in the samples' order."""
+    return {x["doc_id"]: 100 * float(x["f1"]) for x in json.loads(row["samples"].read_text())}
+
+
+def paired_f1(base: dict, other: dict) -> str:
+    """`other` minus `base` on the CoQA turns both scored, as a table note."""
+    mean, se, n = paired_difference(turn_f1(base), turn_f1(other))
+    return f"CoQA-turns F1 {mean:+.2f} ± {se:.2f} (paired over the same {n} turns)"
+
+
 def paired(rows) -> list[str]:
     """Searched vs uniform at equal stored bits on the same CoQA turns: the mean per-turn F1 difference and its
     standard error (paired, so the turns' own spread cancels)."""
@@ -46,24 +57,21 @@ def paired(rows) -> list[str]:
         for u in uniform:
             if abs(u["stored"] - s.get("stored", -1)) > 1e-9:
                 continue
-            a, b = (json.loads(r["samples"].read_text()) for r in (s, u))
-            if [x["doc_id"] for x in a] != [x["doc_id"] for x in b]:
+            if list(turn_f1(s)) != list(turn_f1(u)):
                 continue
-            mean, se, n = paired_difference(*({x["doc_id"]: 100 * float(x["f1"]) for x in r} for r in (b, a)))
-            out.append(
-                f"- {s['label']} vs {u['label']} (both {u['stored']:.3f} bits per element): CoQA-turns F1 "
-                f"{mean:+.2f} ± {se:.2f} (paired over the same {n} turns)"
-            )
+            out.append(f"- {s['label']} vs {u['label']} (both {u['stored']:.3f} bits per element): {paired_f1(u, s)}")
     return ["", *out] if out else []
 
 
-def per_unit_bits(cc: dict, tensor: str) -> list:
-    """A record's bits per layer (30 layers; an int each, or a list per KV head where the layer's heads differ)."""
+def per_unit_bits(cc: dict, tensor: str, heads: int | None) -> list:
+    """A record's bits per layer (30 layers): an int each, or with `heads` (a per-head row's KV heads) a list per
+    layer, one per head (a layer whose heads agree is stored as a plain layer config: its width for every head)."""
     layers = cc.get("layers") or []
     if not layers:
         return [cc[tensor]["bits"]] * 30
     i = 0 if tensor == "key" else 1
-    return [[h[i] for h in lc["head_bits"]] if lc.get("head_bits") else lc[tensor]["bits"] for lc in layers]
+    bits = [[h[i] for h in lc["head_bits"]] if lc.get("head_bits") else lc[tensor]["bits"] for lc in layers]
+    return bits if heads is None else [b if isinstance(b, list) else [b] * heads for b in bits]
 
 
 def mean(bits: list) -> float:
@@ -88,12 +96,7 @@ def per_head_vs_layer(rows) -> list[str]:
                     f"{h['ppl'][512]:.2f} vs {r['ppl'][512]:.2f} ({change:+.1f}%)"
                 )
                 if "samples" in h and "samples" in r:
-                    a, b = (
-                        {x["doc_id"]: 100 * float(x["f1"]) for x in json.loads(q["samples"].read_text())}
-                        for q in (r, h)
-                    )
-                    mean_f1, se, n = paired_difference(a, b)
-                    line += f"; CoQA-turns F1 {mean_f1:+.2f} ± {se:.2f} (paired over the same {n} turns)"
+                    line += f"; {paired_f1(r, h)}"
                 out.append(line)
     return ["", *out] if out else []
 
@@ -112,13 +115,11 @@ def main() -> None:
     for folder, r in records():
         cc = r["cache_config"]
         layers = cc.get("layers") or []
-        kb, vb = per_unit_bits(cc, "key"), per_unit_bits(cc, "value")
         prec = r["config"].get("precision") or {}
         name = prec.get("name", "uniform")
         budget = prec.get("budget") if name == "search" else None
         heads = prec.get("granularity") == "head" or any(lc.get("head_bits") for lc in layers)
-        if heads:  # a layer whose heads agree is stored as a plain layer config: one unit per head all the same
-            kb, vb = ([b if isinstance(b, list) else [b] * H for b in bits] for bits in (kb, vb))
+        kb, vb = (per_unit_bits(cc, t, H if heads else None) for t in ("key", "value"))
         # CoQA rows rerun a searched file (precision=file): they join the searched row with the same bits
         key = (_tuple(kb), _tuple(vb))
         row = rows.setdefault(key, {"kb": kb, "vb": vb, "budget": budget, "heads": heads, "folder": folder, "ppl": {}})

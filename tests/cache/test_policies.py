@@ -192,7 +192,7 @@ def test_a_batch_generates_what_each_prompt_generates_alone(tiny, name):
                 assert torch.allclose(got[b], want[0], atol=1e-4)
 
 
-def test_a_batch_needs_the_routed_attention(tiny):
+def test_a_batch_needs_the_routed_attention():
     cache = QuantizedKVCache(cache_config({"bits": 2, "policy": {"name": "evict", "score": "knorm"}}), 1)
     cache.set_padding(torch.tensor([[0, 1, 1], [1, 1, 1]]))
     k = torch.randn(2, 2, 3, 64)
