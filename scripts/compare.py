@@ -5,22 +5,24 @@
     python scripts/compare.py experiments/bits experiments/group_size --where task.name=ppl --csv /tmp/rows.csv
     python scripts/compare.py --verify                  # check every record against its digest; exit 1 on a mismatch
 
-Folders: any results folders (default: results/ and every experiments/<name>/). --where FIELD=VALUE: a dotted path
-into the record; a bare name means config.<name> (key_axis = config.key_axis); VALUE is YAML (2, true, null,
-channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/
+Folders: results folders, each holding runs/ (default: results/ and every experiments/<name>/ with runs/); a folder
+that does not exist or has no runs/ is refused in one line, exit status 2, as a --where that does not parse. --where
+FIELD=VALUE: a dotted path into the record; a bare name means config.<name> (key_axis = config.key_axis); VALUE is
+YAML (2, true, null, channel); FIELD=V1,V2 allows either. Records come from the SQLite index beside each folder's runs/
 (kvq_lab.records.index, rebuilt from record.json files as needed). Only records that match their digests are shown; each
 other one is named in one line (kvq_lab.common.integrity). --verify checks every record of the folders (and the files
 they name) and lists those that do not match."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a clean clone without installing
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]  # a clean clone
+
+from cli_args import Parser, fail, results_folder  # noqa: E402
 
 from kvq_lab.records.index import query, records_of  # noqa: E402
 
@@ -32,10 +34,18 @@ def parse_where(items: list[str]) -> dict:
     for item in items:
         field, sep, raw = item.partition("=")
         if not sep or not field:
-            raise SystemExit(f"error: --where {item!r} must be FIELD=VALUE, e.g. --where key_axis=channel")
+            fail(f"--where {item!r} must be FIELD=VALUE, e.g. --where key_axis=channel")
         if field.split(".")[0] not in TOP:
             field = f"config.{field}"
-        values = [yaml.safe_load(v) for v in raw.split(",")] if "," in raw else yaml.safe_load(raw)
+        try:
+            values = [yaml.safe_load(v) for v in raw.split(",")] if "," in raw else yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            why = str(getattr(e, "problem", None) or e).splitlines()[0]
+            name = item.partition("=")[0]
+            fail(f"--where {item!r}: the value {raw!r} is not YAML ({why}); quote text (--where '{name}=\"{raw}\"') "
+                 "or write a plain value, e.g. --where bits=2 or --where key_axis=channel,token")  # fmt: skip
+        if any(isinstance(v, (dict, list)) for v in (values if isinstance(values, list) else [values])):
+            fail(f"--where {item!r}: a value is a scalar (2, true, null, channel) or V1,V2 for either, not {raw!r}")
         where[field] = values
     return where
 
@@ -63,7 +73,7 @@ def verify(dirs: list[str], where: dict) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("dirs", nargs="*", help="results folders (default: results/ and experiments/*/)")
     ap.add_argument("--where", action="append", default=[], help="FIELD=VALUE (repeatable)")
     ap.add_argument("--metrics", default=None, help="comma-separated metric names (default: all non-probe ones)")
@@ -71,10 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     ap.add_argument("--verify", action="store_true", help="check every record against its digest (exit 1: mismatch)")
     args = ap.parse_args(argv)
-    dirs = args.dirs or ["results", *sorted(str(p) for p in Path("experiments").glob("*") if (p / "runs").is_dir())]
+    where = parse_where(args.where)  # a bad --where or folder stops here, before any index is made or read
+    if args.dirs:
+        dirs = [str(results_folder(d)) for d in args.dirs]
+    else:
+        dirs = [str(p) for p in [Path("results"), *sorted(Path("experiments").glob("*"))] if (p / "runs").is_dir()]
     if args.verify:
-        return verify(dirs, parse_where(args.where))
-    recs = records_of(dirs, parse_where(args.where), verified=True)
+        return verify(dirs, where)
+    recs = records_of(dirs, where, verified=True)
     if not recs:
         print(f"no records match in {', '.join(dirs)}")
         return 1

@@ -84,3 +84,26 @@ def test_compare_selects_across_folders(tmp_path):
     assert "| ok | channel | 2 | 21.5 |" in out and "| ok | token | 2 | 212 |" in out and "2 records" in out
     out = subprocess.run([*cmd, "--where", "key_axis=token,nothing"], capture_output=True, text=True).stdout
     assert "1 records" in out
+
+
+def test_compare_refuses_bad_arguments_in_one_line_before_any_index(tmp_path):
+    """A --where that is not YAML, a mistyped folder, a folder without runs/: one line naming the value, exit
+    status 2, and no index.sqlite left behind (before, a YAML traceback and `no records match` in a new index)."""
+    good = tmp_path / "good"
+    _write(good, "20261130-000001_x", status="ok", run_key="k1", config=_cfg(), metrics={"ppl/ppl": 21.5})
+    (tmp_path / "empty").mkdir()
+    script = str(REPO / "scripts" / "compare.py")
+    cases = {
+        (str(good), "--where", "bits=["): "'bits=[': the value '[' is not YAML",
+        (str(good), "--where", "bits={a: 1}"): "a value is a scalar",
+        (str(good), "--where", "=2"): "must be FIELD=VALUE",
+        (str(tmp_path / "goood"),): "goood' does not exist",
+        (str(tmp_path / "empty"),): "empty' holds no runs/ folder",
+        (str(good), "--bogus"): "unrecognized arguments: --bogus",
+    }
+    for args, needle in cases.items():
+        out = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, cwd=tmp_path)
+        assert out.returncode == 2 and out.stdout == "", (args, out)
+        assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and needle in out.stderr, out.stderr
+    assert not (tmp_path / "goood").exists() and not list((tmp_path / "empty").iterdir())
+    assert not (good / index.INDEX).exists()
