@@ -31,6 +31,9 @@ per_seq_tok_s, step_s (median), step_s_min, step_s_max (per-repeat medians), rat
 batch_ratio (batch / DynamicCache's), prefill_forward_s, quantize_s, prefill_tok_s, peak_rss_bytes, same_tokens (every
 row generated what batch 1 generates through the same cache; null with --prefill full), curve ([batch, aggregate
 tok/s] pairs: with --curve the powers of two below the batch, one repeat each, then the batch itself).
+
+Arguments are checked before the model loads, each in one line with exit status 2: a budget of at least one byte,
+positive counts, and lengths from 2 tokens up to what the model's positions hold with the decode steps after them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qua
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import TEXT, batch_prompt, cache_bytes, clock  # noqa: E402  (the sibling benchmark's helpers)
+from cli_args import Parser, fail  # noqa: E402
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
 from kvq_lab.cache.backends import get_backend  # noqa: E402
@@ -66,11 +70,44 @@ UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g":
 
 
 def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '2g', '1048576' -> bytes (binary units)."""
+    """'2GiB', '512MiB', '2g', '1048576' -> bytes (binary units); at least one byte."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if m is None or m.group(2).lower() not in UNITS:
         raise argparse.ArgumentTypeError(f"--budget {text!r}: write a size such as 2GiB, 512MiB or 1073741824")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    n = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--budget {text!r} holds no byte: a budget is more than 0, e.g. 2GiB")
+    return n
+
+
+def check_args(args) -> None:
+    """Every argument the run depends on, before the model loads (one line, exit status 2 on the first bad one):
+    counts that must be positive, and the lengths against the positions the model has (its files, read without
+    loading: a context of L tokens and N decode steps feed L + N - 1 positions)."""
+    from kvq_lab.common.errors import ConfigError
+    from kvq_lab.fit.checks import model_facts
+    from kvq_lab.models.loading import check_source
+
+    for name, least in (("repeats", 1), ("max_batch", 1), ("threads", 1), ("new_tokens", 2), ("warmup", 0)):
+        v = getattr(args, name)
+        if v is not None and v < least:
+            fail(f"--{name.replace('_', '-')} {v}: must be at least {least}")
+    if args.warmup >= args.new_tokens - 1:
+        fail(f"--warmup {args.warmup} leaves no timed step of --new-tokens {args.new_tokens}: lower --warmup")
+    short = [n for n in args.lengths if n < 2]
+    if short:
+        fail(f"--lengths {short[0]}: a context holds at least 2 tokens (one prefilled, one that starts the decode)")
+    try:
+        check_source({"path": args.model})
+        facts = model_facts(args.model)
+    except ConfigError as e:
+        fail(str(e).splitlines()[0].replace("model.path=", "--model "))
+    if facts is not None and facts.context:
+        most = facts.context - args.new_tokens + 1
+        long = [n for n in args.lengths if n > most]
+        if long:
+            fail(f"--lengths {long[0]}: {args.model} has {facts.context} positions and {args.new_tokens} decode steps "
+                 f"follow the context; use lengths up to {most} (or fewer --new-tokens)")  # fmt: skip
 
 
 @dataclass
@@ -215,7 +252,7 @@ def measure(model, c: Cache, ids1, kv, forward_s, L, budget, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--budget", type=parse_bytes, default=None, help="cache memory budget (default 2GiB)")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="context tokens (default 4096 8192)")
@@ -232,15 +269,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    budget = args.budget or (64 * 2**20 if args.quick else 2 * 2**30)
-    lengths = args.lengths or ([256] if args.quick else [4096, 8192])
-    args.new_tokens = args.new_tokens or (4 if args.quick else 16)
+    budget = args.budget if args.budget is not None else 64 * 2**20 if args.quick else 2 * 2**30
+    lengths = args.lengths = args.lengths or ([256] if args.quick else [4096, 8192])
+    args.new_tokens = args.new_tokens if args.new_tokens is not None else 4 if args.quick else 16
     args.warmup = args.warmup if args.warmup is not None else 1 if args.quick else 3
     args.repeats = 1 if args.quick else args.repeats
-    if args.warmup >= args.new_tokens - 1:
-        raise SystemExit(f"--warmup {args.warmup} leaves no timed step of --new-tokens {args.new_tokens}")
+    check_args(args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+        fail(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = args.device

@@ -59,3 +59,41 @@ def test_full_prefill_runs_mixed_length_prompts_through_generate(tiny_model_dir,
             "1", "--repeats", "1", "--max-batch", "3", "--prefill", "full", "--only", PACKED_2BIT]  # fmt: skip
     rows = bench(monkeypatch).main(args)
     assert [r["batch"] for r in rows] == [3, 3] and all(r["same_tokens"] is None for r in rows)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--budget", "0"], "--budget '0' holds no byte"),  # silently 2 GiB before
+        (["--budget", "0.1b"], "--budget '0.1b' holds no byte"),
+        (["--lengths", "0"], "--lengths 0: a context holds at least 2 tokens"),  # a traceback after the load before
+        (["--lengths", "64", "100000"], "--lengths 100000: "),  # grew to 2.2 GB before
+        (["--lengths", "506"], "--lengths 506: "),  # 506 + 8 - 1 positions: one too many
+        (["--repeats", "0"], "--repeats 0: must be at least 1"),
+        (["--max-batch", "0"], "--max-batch 0: must be at least 1"),
+        (["--new-tokens", "4", "--warmup", "3"], "--warmup 3 leaves no timed step"),
+        (["--model", "./no/such/folder"], "--model './no/such/folder' does not exist"),
+    ],
+)
+def test_bad_arguments_fail_in_one_line_before_the_model_loads(monkeypatch, capsys, tmp_path, args, needle):
+    """A model folder whose config.json says 512 positions (nothing else there: the checks read the files only)."""
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2,
+                                                      "hidden_size": 128, "max_position_embeddings": 512}))  # fmt: skip
+    b = bench(monkeypatch)
+    monkeypatch.setattr(b, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    base = ["--model", str(tmp_path), "--lengths", "64", "--new-tokens", "8", "--warmup", "1"]
+    with pytest.raises(SystemExit) as e:
+        b.main([*base, *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    if "100000" in args or "506" in args:
+        assert "has 512 positions" in err and "up to 505" in err
+
+
+def test_the_longest_context_the_model_holds_passes_the_checks(monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2,
+                                                      "hidden_size": 128, "max_position_embeddings": 512}))  # fmt: skip
+    b = bench(monkeypatch)
+    monkeypatch.setattr(b, "load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("reached the load")))
+    with pytest.raises(RuntimeError, match="reached the load"):
+        b.main(["--model", str(tmp_path), "--lengths", "505", "--new-tokens", "8", "--warmup", "1"])
