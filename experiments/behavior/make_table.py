@@ -1,40 +1,56 @@
 """Drift and refusal table of this study's records -> table.md, and the drift per cache -> drift.png (run from the
-repo root: python experiments/behavior/make_table.py)."""
+repo root: python experiments/behavior/make_table.py). Records: SmolLM2-135M's, read through
+`kvq_lab.report.study.read` (each checked against its digest); the newest completed record of a cache wins."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import matplotlib
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from kvq_lab.report.study import newest, read  # noqa: E402
 
-from kvq_lab.records.record import load_records  # noqa: E402
-
-HERE = Path(__file__).parent
+MODELS = ("smollm2-135m",)
 COLS = ("refusal_rate", "ref_refusal_rate", "refusal_flips", "identical", "prefix_tokens", "rouge_l")
 
 
-def main() -> None:
-    rows: dict[str, dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a cache wins
-        if r.get("status") == "ok":
-            rows[r["cache"]] = r
+def records() -> list[dict]:
+    return read(HERE, MODELS)
+
+
+def rows(recs: list[dict]) -> dict[str, dict]:
+    """cache label -> its newest completed record."""
+    return newest(recs, lambda r: r["cache"])
+
+
+def tables(recs: list[dict]) -> dict[str, str]:
+    """{file name here: its text}."""
     head = [f"{s} {c}" for s in ("harmful", "neutral") for c in COLS]
     lines = ["| cache | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for label, r in rows.items():
+    for label, r in rows(recs).items():
         m = r["metrics"]
         cells = [m[f"behavior/{s}/{c}"] for s in ("harmful", "neutral") for c in COLS]
         lines.append(f"| `{label}` | " + " | ".join(f"{v:.3g}" for v in cells) + " |")
-    table = "\n".join(lines) + "\n"
-    (HERE / "table.md").write_text(table)
-    print(table)
-    figure(rows)
+    return {"table.md": "\n".join(lines) + "\n"}
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(rows(recs))
 
 
 def figure(rows: dict[str, dict]) -> None:
     """Per cache, how much of the 16-bit answer survives: ROUGE-L and the common prefix, harmful and neutral prompts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     labels = list(rows)
     panels = (("rouge_l", "ROUGE-L vs 16-bit"), ("prefix_tokens", "common prefix (tokens)"))

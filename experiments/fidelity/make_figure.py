@@ -1,29 +1,40 @@
 """KL and top-1 agreement vs decode position for every row of this study -> fidelity_curves.png and table.md (run from
-the repo root: python experiments/fidelity/make_figure.py)."""
+the repo root: python experiments/fidelity/make_figure.py). Records: SmolLM2-135M's runs of experiment `fidelity` (the
+folder also holds Gemma's long-context runs, make_long_table.py), read through `kvq_lab.report.study.read` (each
+checked against its digest); the newest completed record of a cache wins."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from kvq_lab.records.record import load_records
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-HERE = Path(__file__).parent
+from kvq_lab.report.study import newest, read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 KEYS = ("kl_mean", "kl_p99", "top1_agree", "kl_first", "kl_last", "top1_first", "top1_last", "ppl", "ref_ppl")
 
 
-def main() -> None:
-    rows: dict[str, dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a cache wins
-        if r.get("status") == "ok" and r["config"].get("experiment_name") == "fidelity":  # not the long-context runs
-            rows[r["cache"]] = r
+def records() -> list[dict]:
+    return read(HERE, MODELS, where={"config.experiment_name": "fidelity"})  # not the long-context runs
+
+
+def rows(recs: list[dict]) -> dict[str, dict]:
+    """cache label -> its newest completed record."""
+    return newest(recs, lambda r: r["cache"])
+
+
+def tables(recs: list[dict]) -> dict[str, str]:
     lines = ["| cache | " + " | ".join(KEYS) + " |", "|---|" + "---|" * len(KEYS)]
-    for label, r in rows.items():
+    for label, r in rows(recs).items():
         m = r["metrics"]
         lines.append(f"| `{label}` | " + " | ".join(f"{m[f'fidelity/{k}']:.4g}" for k in KEYS) + " |")
-    table = "\n".join(lines) + "\n"
-    (HERE / "table.md").write_text(table)
-    print(table)
+    return {"table.md": "\n".join(lines) + "\n"}
 
+
+def figure(rows: dict[str, dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,6 +51,14 @@ def main() -> None:
     b.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(HERE / "fidelity_curves.png", dpi=110)
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(rows(recs))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,38 @@
 """KL and top-1 agreement vs context length on Gemma-3-270M (conf/experiment/fidelity_long_context.yaml) from this
 study's records -> long_context_table.md and kl_vs_context.png (run from the repo root:
-python experiments/fidelity/make_long_table.py). A window is context_tokens prefilled + eval_tokens scored."""
+python experiments/fidelity/make_long_table.py). A window is context_tokens prefilled + eval_tokens scored. Records:
+Gemma-3-270M's runs of experiment `fidelity_long_context`, read through `kvq_lab.report.study.read` (each checked
+against its digest); the newest completed record of a (cache, window) wins."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from kvq_lab.records.record import load_records
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-HERE = Path(__file__).parent
+from kvq_lab.report.study import newest as newest_of  # noqa: E402
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("gemma3-270m",)
 EXPERIMENT = "fidelity_long_context"
 
 
-def main() -> None:
-    newest: dict[tuple[str, int], dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a (cache, window) wins
-        if r.get("status") == "ok" and r["config"].get("experiment_name") == EXPERIMENT:
-            t = r["config"]["task"]
-            newest[(r["cache"], int(t["context_tokens"]) + int(t["eval_tokens"]))] = r
+def records() -> list[dict]:
+    return read(HERE, MODELS, where={"config.experiment_name": EXPERIMENT})
+
+
+def by_window(recs: list[dict]) -> dict[tuple[str, int], dict]:
+    """(cache label, window tokens) -> the newest completed record."""
+    return newest_of(
+        recs,
+        lambda r: (r["cache"], int(r["config"]["task"]["context_tokens"]) + int(r["config"]["task"]["eval_tokens"])),
+    )
+
+
+def tables(recs: list[dict]) -> dict[str, str]:
+    newest = by_window(recs)
     caches = list(dict.fromkeys(c for c, _ in newest))
     lengths = sorted({n for _, n in newest})
     head = "| cache | " + " | ".join(f"{n} tok: KL / top-1 / ppl ratio" for n in lengths) + " |"
@@ -41,8 +56,21 @@ def main() -> None:
         "over the scored tokens ± its standard error; top-1: the cache's argmax equals the 16-bit model's; ppl "
         "ratio: the cache's perplexity over the 16-bit one on the same tokens\n"
     )
-    (HERE / "long_context_table.md").write_text(table)
-    print(table)
+    return {"long_context_table.md": table}
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(by_window(recs))
+
+
+def figure(newest: dict[tuple[str, int], dict]) -> None:
+    caches = list(dict.fromkeys(c for c, _ in newest))
+    lengths = sorted({n for _, n in newest})
+    any_rec = next(iter(newest.values()))
 
     import matplotlib
 

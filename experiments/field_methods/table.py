@@ -6,18 +6,22 @@ KIVI int2's paired over decode positions (per-position means over the windows; t
 16 consecutive positions, so that neighbouring positions' correlation does not shrink it), decode perplexity, and
 passkey / needle retrieval accuracy at 4K and 8K tokens, CoQA-turns F1 (first 100 turns). Then the paired contrasts
 that answer the study's three questions, and GEAR's. Per row and task the newest completed record from a clean tree
-wins. Writes table.md and pareto.png here.
+wins (SmolLM2-135M's records, read through `kvq_lab.report.study.read`: each checked against its digest). Writes
+table.md and pareto.png here.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
+
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 
 BASELINE = "K2b-C32_V2b-T32_sim"  # KIVI int2 K-C/V-T: the row every KL difference is paired against
 BLOCKS = 16
@@ -83,12 +87,9 @@ QUESTIONS = {  # question -> (a, b) pairs: b minus a
 }
 
 
-def records():
-    """(run folder, record) of every completed record made from a clean tree, oldest first (folders sort by time)."""
-    for p in sorted((HERE / "runs").glob("*/record.json")):
-        r = json.loads(p.read_text())
-        if r.get("status") == "ok" and not str(r.get("env", {}).get("git", "")).endswith("-dirty"):
-            yield p.parent, r
+def records() -> list[dict]:
+    """Every completed record of the study's model made from a clean tree, oldest first."""
+    return read(HERE, MODELS, clean=True)
 
 
 def block_paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
@@ -101,9 +102,9 @@ def block_paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
     return sum(d) / len(d), se, len(d)
 
 
-def collect() -> dict[str, dict]:
+def collect(recs: list[dict]) -> dict[str, dict]:
     rows: dict[str, dict] = {}
-    for _run, r in records():
+    for r in recs:
         row = rows.setdefault(r["cache"], {})
         m, task = r["metrics"], r["config"]["task"]
         row["bits"], row["total"] = m.get("cache/bits"), m.get("cache/bits_total")
@@ -124,8 +125,8 @@ def collect() -> dict[str, dict]:
 RETRIEVAL = ("needle4K", "needle8K", "passkey4K", "passkey8K")  # columns shown where some record has them (% correct)
 
 
-def main() -> None:
-    rows = collect()
+def tables(recs: list[dict]) -> dict[str, str]:
+    rows = collect(recs)
     retrieval = [k for k in RETRIEVAL if any(k in r for r in rows.values())]
     base = rows.get(BASELINE, {}).get("kl_pos")
     order = list(NAMES)
@@ -162,13 +163,22 @@ def main() -> None:
                     f"- {NAMES.get(b, b)} - {NAMES.get(a, a)}: KL {m:+.3f} ± {se:.3f} ({n} positions), top-1 {t:+.3f}, "
                     f"bits {bits:+.3f}"
                 )
-    table = "\n".join(lines)
-    print(table)
-    (HERE / "table.md").write_text(table + "\n")
+    return {"table.md": "\n".join(lines) + "\n"}
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text, end="")
+    rows = collect(recs)
     for label, row in rows.items():
         if "git" in row:
             print(f"fidelity {label}: git {row['git'][:12]}")
+    figure(rows)
 
+
+def figure(rows: dict[str, dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,24 +1,36 @@
 """Per-layer error of the KIVI axis rows on Gemma-3-270M's long prompts (task=probe task.source=gsm8k, 4096 tokens)
 from this study's probe records -> probe_layers.png and probe_layers.md (run from the repo root:
 python experiments/long_context/make_probe_figure.py). Sliding-window layers attend to their last 512 tokens, global
-ones to all 4096: the per-layer table names each layer's attention (kvq_lab/probes/results.py)."""
+ones to all 4096: the per-layer table names each layer's attention (kvq_lab/probes/results.py). Records: Gemma-3-270M's
+probe runs, read through `kvq_lab.report.study.read` (each checked against its digest, its Parquet tables included);
+the newest completed record of a cache wins."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from kvq_lab.records.record import load_records, read_table
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-HERE = Path(__file__).parent
+from kvq_lab.records.record import read_table  # noqa: E402
+from kvq_lab.report.study import newest, read  # noqa: E402
+
+MODELS = ("gemma3-270m",)
 QUANTITIES = ("attn_score_decode/rel_fro", "attn_out_v_decode/rel_fro", "attn_out_decode/rel_fro")
 
 
-def main() -> None:
-    newest: dict[str, dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a cache wins
-        if r.get("status") == "ok" and r["config"]["task"]["name"] == "probe":
-            newest[r["cache"]] = r
-    tables = {c: read_table(r, "probe_tables", "per_layer") for c, r in newest.items()}
+def records() -> list[dict]:
+    return read(HERE, MODELS, where={"config.task.name": "probe"})
+
+
+def per_layer(recs: list[dict]) -> dict[str, dict]:
+    """cache label -> the per-layer probe table of its newest record."""
+    return {c: read_table(r, "probe_tables", "per_layer") for c, r in newest(recs, lambda r: r["cache"]).items()}
+
+
+def tables(recs: list[dict]) -> dict[str, str]:
+    tables = per_layer(recs)
     first = next(iter(tables.values()))
     kinds = [row[first["columns"].index("attention")] for row in first["rows"]]
     lines = ["| layer | attention | " + " | ".join(f"`{c}` {q.split('/')[0]}" for c in tables for q in QUANTITIES[2:])
@@ -27,8 +39,20 @@ def main() -> None:
     for i, kind in enumerate(kinds):
         cells = [f"{t['rows'][i][t['columns'].index(QUANTITIES[2])]:.3f}" for t in tables.values()]
         lines.append(f"| {i} | {kind} | " + " | ".join(cells) + " |")
-    (HERE / "probe_layers.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return {"probe_layers.md": "\n".join(lines) + "\n"}
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(per_layer(recs))
+
+
+def figure(tables: dict[str, dict]) -> None:
+    first = next(iter(tables.values()))
+    kinds = [row[first["columns"].index("attention")] for row in first["rows"]]
 
     import matplotlib
 

@@ -1,14 +1,21 @@
 """Retrieval accuracy vs context length from this study's records -> table.md and long_context.png (run from the repo
-root: python experiments/long_context/make_table.py)."""
+root: python experiments/long_context/make_table.py). Records: SmolLM2-135M's and Gemma-3-270M's retrieval runs, one
+block each, read through `kvq_lab.report.study.read` (each checked against its digest); the newest completed record
+of a (model, cache, length, seed) wins, and the seeds are pooled."""
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
-from kvq_lab.records.record import load_records
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-HERE = Path(__file__).parent
+from kvq_lab.report.study import newest as newest_of  # noqa: E402
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("smollm2-135m", "gemma3-270m")
 
 
 def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -18,12 +25,18 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def main() -> None:
-    newest: dict[tuple[str, str, int, int], dict] = {}
-    for r in load_records(HERE):  # oldest first: the newest record of a (model, cache, length, seed) wins
-        if r.get("status") == "ok" and r["config"]["task"]["name"] == "retrieval":
-            t = r["config"]["task"]
-            newest[(r["config"]["model"]["name"], r["cache"], int(t["context_tokens"]), int(t["seed"]))] = r
+def records() -> list[dict]:
+    return read(HERE, MODELS, where={"config.task.name": "retrieval"})
+
+
+def pooled(recs: list[dict]) -> tuple[dict, dict]:
+    """-> ((model, cache, length, seed) -> the newest record; model -> cache -> length -> [hits, samples] pooled
+    over the seeds)."""
+    newest = newest_of(
+        recs,
+        lambda r: (r["config"]["model"]["name"], r["cache"], int(r["config"]["task"]["context_tokens"]),
+                   int(r["config"]["task"]["seed"])),
+    )  # fmt: skip
     # pooled over generator seeds: hits and samples per (model, cache, length)
     models: dict[str, dict[str, dict[int, list[int]]]] = {}
     for (model, label, n, _), r in newest.items():
@@ -31,6 +44,11 @@ def main() -> None:
         k = int(r["metrics"]["retrieval/n"])
         cell[0] += round(r["metrics"]["retrieval/acc"] * k / 100)
         cell[1] += k
+    return newest, models
+
+
+def tables(recs: list[dict]) -> dict[str, str]:
+    newest, models = pooled(recs)
     blocks = []
     for model, rows in models.items():
         seeds = sorted({s for m, _, _, s in newest if m == model})
@@ -51,10 +69,18 @@ def main() -> None:
                 out.append(f"{hits}/{k} [{100 * lo:.0f}, {100 * hi:.0f}]")
             lines.append(f"| `{label}` | " + " | ".join(out) + " |")
         blocks.append("\n".join(lines) + f"\n\nseeds pooled: {seeds}; [..] = 95% Wilson interval, %\n")
-    table = "\n".join(blocks)
-    (HERE / "table.md").write_text(table)
-    print(table)
+    return {"table.md": "\n".join(blocks)}
 
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(pooled(recs)[1])
+
+
+def figure(models: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

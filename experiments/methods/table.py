@@ -6,12 +6,12 @@ bits (`cache/bits`), decode perplexity and CoQA-turns F1 where run (over the row
 row scored, which the figure plots), and each row's CoQA-turns F1 minus KIVI's (K-C/V-T) paired over the turns both
 scored. Per row and task the record with the most coverage (ppl windows, CoQA
 turns) wins, the newest among equals, so a quick rerun never hides the full one; records from a dirty git tree are
-skipped. Writes table.md and bits_vs_quality.png here.
+skipped (SmolLM2-135M's records, read through `kvq_lab.report.study.read`: each checked against its digest). Writes
+table.md and bits_vs_quality.png here.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +19,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
 
 from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.study import per_doc, read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 
 BASELINE = "K2b-C32_V2b-T32_pac_R128"  # KIVI int2 K-C/V-T: the row every CoQA difference is paired against
 
@@ -52,22 +55,15 @@ CONTRASTS = [  # (a, b): the papers' claims as paired CoQA differences, b minus 
 ]
 
 
-def records():
-    """(run folder, record) of every completed record made from a clean tree, oldest first (folders sort by time)."""
-    for p in sorted((HERE / "runs").glob("*/record.json")):
-        r = json.loads(p.read_text())
-        if r.get("status") == "ok" and not str(r.get("env", {}).get("git", "")).endswith("-dirty"):
-            yield p.parent, r
+def records() -> list[dict]:
+    """Every completed record of the study's model made from a clean tree, oldest first."""
+    return read(HERE, MODELS, clean=True)
 
 
-def turn_f1(run: Path) -> dict[int, float]:
-    """doc_id -> F1 (in %) of each CoQA turn a run scored, from its samples.json."""
-    return {int(s["doc_id"]): 100 * float(s["f1"]) for s in json.loads((run / "samples.json").read_text())}
-
-
-def collect() -> dict[str, dict]:
+def collect(recs: list[dict]) -> dict[str, dict]:
     rows: dict[str, dict] = {}
-    for run, r in records():
+    for r in recs:
+        run = Path(r["_path"])
         row = rows.setdefault(r["cache"], {})
         m = r["metrics"]
         row["bits"], row["total"] = m.get("cache/bits"), m.get("cache/bits_total")
@@ -76,12 +72,16 @@ def collect() -> dict[str, dict]:
         if "coqa_turns/f1" in m and int(m.get("coqa_turns/n", 0)) >= row.get("turns", 0):
             row["f1"], row["turns"], row["coqa_run"] = m["coqa_turns/f1"], int(m["coqa_turns/n"]), run
             row["coqa_git"] = r["env"]["git"]
-            row["turn_f1"] = turn_f1(run)
+            row["turn_f1"] = per_doc(r, "f1", 100)  # doc_id -> F1 (%) of each CoQA turn the run scored
             row["f1_se"] = mean_se(list(row["turn_f1"].values()))[1]
     base = rows.get(BASELINE, {}).get("turn_f1")
     for label, row in rows.items():
         if base is not None and "turn_f1" in row and label != BASELINE:
             row["diff"] = paired_difference(base, row["turn_f1"])
+    shared = shared_turns(rows)
+    for row in rows.values():
+        if "turn_f1" in row and shared:
+            row["f1_shared"] = mean_se([row["turn_f1"][i] for i in shared])
     return rows
 
 
@@ -91,12 +91,9 @@ def shared_turns(rows: dict[str, dict]) -> list[int]:
     return sorted(set.intersection(*sets)) if sets else []
 
 
-def main() -> None:
-    rows = collect()
+def tables(recs: list[dict]) -> dict[str, str]:
+    rows = collect(recs)
     shared = shared_turns(rows)
-    for row in rows.values():
-        if "turn_f1" in row and shared:
-            row["f1_shared"] = mean_se([row["turn_f1"][i] for i in shared])
     order = list(NAMES)
     lines = [
         "| row | stored bits/elem (all) | format bits/elem | decode ppl (windows) | CoQA-turns F1 ± SE (turns) "
@@ -116,12 +113,23 @@ def main() -> None:
         if "turn_f1" in rows.get(a, {}) and "turn_f1" in rows.get(b, {}):
             m, se, n = paired_difference(rows[a]["turn_f1"], rows[b]["turn_f1"])
             lines.append(f"- {NAMES[b]} - {NAMES[a]}: {m:+.2f} ± {se:.2f} ({n} turns)")
-    table = "\n".join(lines)
-    print(table)
-    (HERE / "table.md").write_text(table + "\n")
+    return {"table.md": "\n".join(lines) + "\n"}
+
+
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text, end="")
+    rows = collect(recs)
     for label, row in rows.items():
         if "coqa_run" in row:
             print(f"coqa {label}: {row['turns']} turns, git {row['coqa_git'][:12]}, {row['coqa_run'].name}")
+    figure(rows)
+
+
+def figure(rows: dict[str, dict]) -> None:
+    order = list(NAMES)
 
     import matplotlib
 
