@@ -5,7 +5,8 @@ beside kvq_lab's `task=fidelity task.protocol=chunks` records (runs/), per n_ctx
 
 llama.cpp's rows are parsed from its logs (llama_cpp/<n_ctx>_<ctk>_<ctv>_<rot|norot>.log), the records of that
 side. Agreement (the study's criterion): |kvq - llama.cpp| <= max(0.15 * |llama.cpp|, 0.002) for ln(PPL_q/PPL_f16) and
-for mean KLD; and the cache types in the same order by KLD in both.
+for mean KLD; and the cache types in the same order by KLD in both. kvq_lab's records (SmolLM2-135M's) are read
+through `kvq_lab.report.study.read`, each checked against its digest.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent.parent), str(HERE)]
 
-from kvq_lab.records.record import load_records  # noqa: E402
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 
 FORMATS = {("f16", "f16"): (None, None), ("q8_0", "q8_0"): ("q8_0", "q8_0"), ("q4_0", "q4_0"): ("q4_0", "q4_0"),
            ("q4_1", "q4_1"): ("q4_1", "q4_1"), ("q5_0", "q5_0"): ("q5_0", "q5_0"), ("q5_1", "q5_1"): ("q5_1", "q5_1"),
@@ -30,9 +33,7 @@ def agree(ours: float, theirs: float) -> bool:
 def kvq_rows(where: Path = HERE) -> dict[tuple, dict]:
     """(n_ctx, ctk, ctv, rotation, keys in llama.cpp's order) -> the newest ok record's metrics, from where/runs."""
     out: dict[tuple, dict] = {}
-    for r in sorted(load_records(where), key=lambda r: r["started"]):
-        if r.get("status") != "ok":
-            continue
+    for r in sorted(read(where, MODELS), key=lambda r: r["started"]):
         c, t = r["config"], r["config"]["task"]
         kf, vf = c.get("key_format") or c.get("format"), c.get("value_format") or c.get("format")
         if c.get("key_bits") == 16:
@@ -125,9 +126,17 @@ def compare(theirs: list[dict], ours: dict) -> tuple[list[str], list[tuple]]:
     return lines, points
 
 
-def main() -> None:
+def records() -> dict[str, dict]:
+    """kvq_lab's side, by (n_ctx, ctk, ctv, rotation, keys in llama.cpp's order): the full rows (runs/), the one-sided
+    caches (checks/runs) and the full rows with keys in transformers' channel order (checks/transformers_order)."""
+    c = HERE / "checks"
+    return {"ours": kvq_rows(HERE), "one_sided": kvq_rows(c), "order": kvq_rows(c / "transformers_order")}
+
+
+def tables(recs: dict[str, dict]) -> dict[str, str]:
+    """{file name here: its text}: table.md."""
     theirs, build = llama_cpp_rows()
-    ours = kvq_rows()
+    ours = recs["ours"]
     lines = [
         f"llama.cpp: {build}; SmolLM2-135M-Instruct.Q4_1.gguf (the embedded model); flash attention on; 1 thread.",
         "",
@@ -135,28 +144,31 @@ def main() -> None:
         "",
         *HEADER,
     ]
-    rows, points = compare(theirs, ours)
-    lines += rows
+    lines += compare(theirs, ours)[0]
     vector, _ = llama_cpp_rows("vector_base")
     if vector:
         rows, _ = compare(vector, ours)
         lines += ["", "## Against an f16 base on llama.cpp's vector kernel, the one every quantized cache runs "
                   "(`-ub 8`; vector_base/)", "", *HEADER, *rows]  # fmt: skip
-    lines += checks(ours)
-    (HERE / "table.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    plot(points)
+    lines += checks(ours, recs["one_sided"], recs["order"])
+    return {"table.md": "\n".join(lines) + "\n"}
 
 
-def checks(ours: dict) -> list[str]:
+def main() -> None:
+    recs = records()
+    for name, text in tables(recs).items():
+        (HERE / name).write_text(text)
+        print(text, end="")
+    plot(compare(llama_cpp_rows()[0], recs["ours"])[1])
+
+
+def checks(ours: dict, one_sided: dict, order: dict) -> list[str]:
     """The checks that explain the differences (README.md): n_ctx 512, llama.cpp's logs in checks/, kvq_lab's
     records in checks/runs (one-sided caches), checks/transformers_order/runs (the full rows with keys in
     transformers' channel order) and checks/query_q8_0.json."""
     import json
 
     c = HERE / "checks"
-    one_sided = kvq_rows(c)
-    order = kvq_rows(c / "transformers_order")
     out = ["", "## Checks (n_ctx 512)", "", "Where the keys' channel order matters (rotation off; mean KLD):", "",
            "| K / V | llama.cpp | kvq_lab, llama.cpp's key order | kvq_lab, transformers' key order |",
            "|---|---|---|---|"]  # fmt: skip

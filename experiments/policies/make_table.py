@@ -4,26 +4,28 @@ experiments/policies/make_table.py) -> table.md and policies.png.
 Three tables: the policies at equal stored bytes (SmolLM2: CoQA-turns, fidelity, retrieval), the prompt's prefill
 exact vs quantized for KIVI's six axis rows (CoQA-turns, all turns; the quantized rows are the KIVI table's records,
 experiments/kivi_axis_table, whose prefill is simulated mode's own), and Gemma-3's sliding-window layers skipped or not.
+Records: SmolLM2-135M's and Gemma-3-270M's, read through `kvq_lab.report.study.read` (each checked against its
+digest); per (model, task, cache) the newest completed record wins. The README's Result section holds the same text
+between its markers.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import sys
 from pathlib import Path
 
-from kvq_lab.records.record import load_records
-from kvq_lab.report.rows import mean_se, paired_difference
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
-HERE = Path(__file__).parent
+from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.study import newest as newest_of  # noqa: E402
+from kvq_lab.report.study import per_doc, read, samples  # noqa: E402
+
 AXIS_TABLE = HERE.parent / "kivi_axis_table"
+MODELS = ("smollm2-135m", "gemma3-270m")
 POLICIES = ("kivi", "saliency", "mikv", "evict")
-
-
-def per_doc(rec: dict, metric: str) -> dict[int, float]:
-    """doc_id -> the metric (0..1) of each scored document, from the run's samples.json."""
-    samples = json.loads((Path(rec["_path"]) / "samples.json").read_text())
-    return {s["doc_id"]: float(s[metric]) for s in samples}
+MARKERS = ("<!-- tables: make_table.py -->", "<!-- /tables -->")
 
 
 def budget(rec: dict) -> str:
@@ -43,13 +45,9 @@ def task_key(rec: dict) -> str | None:
 
 
 def newest(recs: list[dict]) -> dict[tuple, dict]:
-    """(model, task key, cache label) -> the newest completed record (records are loaded oldest first)."""
-    out = {}
-    for r in recs:
-        key = task_key(r)
-        if r.get("status") == "ok" and key is not None:
-            out[(r["config"]["model"]["name"], key, r["cache"])] = r
-    return out
+    """(model, task key, cache label) -> the newest completed record (records come oldest first)."""
+    return newest_of(recs, lambda r: None if task_key(r) is None else (r["config"]["model"]["name"], task_key(r),
+                                                                        r["cache"]))  # fmt: skip
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> str:
@@ -141,7 +139,7 @@ def same_outputs(runs: dict, axis_runs: dict) -> str:
     old = axis_runs.get(("smollm2-135m", "coqa_all", "K2b-C32_V2b-T32_sim"))
     if again is None or old is None:
         return "(the rerun of the 2-bit K-C/V-T row with prefill=quantized is not among the records)"
-    a, b = (json.loads((Path(r["_path"]) / "samples.json").read_text()) for r in (again, old))
+    a, b = (samples(r) for r in (again, old))
     differ = sum(x["response"] != y["response"] for x, y in zip(a, b, strict=True))
     return (
         f"The 2-bit K-C/V-T row rerun with `prefill=quantized` set (commit {again['env']['git'][:7]}, prefix reuse on) "
@@ -203,11 +201,15 @@ def figure(rows: dict) -> None:
     fig.savefig(HERE / "policies.png", dpi=110)
 
 
-def main() -> None:
-    runs = newest(load_records(HERE))
-    axis_runs = newest(load_records(AXIS_TABLE))
-    eq, rows = equal_bytes(runs)
-    text = "\n\n".join(
+def records() -> tuple[list[dict], list[dict]]:
+    """(this study's records, the KIVI axis table's)."""
+    return read(HERE, MODELS), read(AXIS_TABLE, MODELS)
+
+
+def text(recs: tuple[list[dict], list[dict]]) -> str:
+    runs, axis_runs = newest(recs[0]), newest(recs[1])
+    eq, _ = equal_bytes(runs)
+    return "\n\n".join(
         [
             "### Policies at equal stored bytes (SmolLM2-135M)\n\n" + eq,
             "### Prefill exact vs quantized, KIVI's axis rows (SmolLM2-135M, CoQA-turns, all turns)\n\n"
@@ -217,13 +219,21 @@ def main() -> None:
             "### Gemma-3-270M: sliding-window layers skipped or not\n\n" + gemma_table(runs),
         ]
     )
-    (HERE / "table.md").write_text(text + "\n")
-    readme = HERE / "README.md"  # the README's Result section holds the same tables, between its markers
-    body = readme.read_text()
-    a, b = body.index("<!-- tables: make_table.py -->"), body.index("<!-- /tables -->")
-    readme.write_text(body[: a + len("<!-- tables: make_table.py -->")] + "\n" + text + "\n" + body[b:])
-    print(text)
-    figure(rows)
+
+
+def tables(recs: tuple[list[dict], list[dict]]) -> dict[str, str]:
+    """{file name here: its text}: table.md, and the README with the same tables between its markers."""
+    body, tables = (HERE / "README.md").read_text(), text(recs)
+    a, b = body.index(MARKERS[0]), body.index(MARKERS[1])
+    return {"table.md": tables + "\n", "README.md": body[: a + len(MARKERS[0])] + "\n" + tables + "\n" + body[b:]}
+
+
+def main() -> None:
+    recs = records()
+    for name, out in tables(recs).items():
+        (HERE / name).write_text(out)
+    print(text(recs))
+    figure(equal_bytes(newest(recs[0]))[1])
 
 
 if __name__ == "__main__":
