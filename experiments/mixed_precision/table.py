@@ -5,12 +5,12 @@ Rows: one per cache (uniform b-bit, or a searched per-layer or per-head assignme
 key/value code bits, and stored bits per K/V element counted as the search counts them
 (`kvq_lab.fit.precision.measure_costs`: the packed cache's nbytes() at `precision.tokens` tokens). Figure: the chosen
 per-layer key and value bits of each searched row (per_layer_bits.png; a per-head row: each layer's mean over its KV
-heads).
+heads). Records: SmolLM2-135M's, read through `kvq_lab.report.study.read` (each checked against its digest). The
+stored bits need the model's shapes: the model is loaded (the real SmolLM2, converted once).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -21,25 +21,25 @@ from kvq_lab.cache.config import CacheConfig  # noqa: E402
 from kvq_lab.fit import precision  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
 from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
+from kvq_lab.report.study import per_doc, read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 
 
-def records():
-    for p in sorted((HERE / "runs").glob("*/record.json")):
-        r = json.loads(p.read_text())
-        if r.get("status") == "ok":
-            yield p.parent, r
+def records() -> list[dict]:
+    return read(HERE, MODELS)
 
 
-def f1_se(samples: Path) -> float | None:
-    """Standard error of the mean per-turn F1 (in %) from a CoQA run's samples.json, None without one."""
-    if not samples.is_file():
+def f1_se(rec: dict) -> float | None:
+    """Standard error of the mean per-turn F1 (in %) from a CoQA run's samples, None without them."""
+    if not (Path(rec["_path"]) / "samples.json").is_file():
         return None
-    return mean_se([100 * float(x["f1"]) for x in json.loads(samples.read_text())])[1]
+    return mean_se(list(per_doc(rec, "f1", 100).values()))[1]
 
 
 def turn_f1(row: dict) -> dict:
     """A CoQA row's per-turn F1 in % by doc_id, in the samples' order."""
-    return {x["doc_id"]: 100 * float(x["f1"]) for x in json.loads(row["samples"].read_text())}
+    return per_doc(row["coqa"], "f1", 100)
 
 
 def paired_f1(base: dict, other: dict) -> str:
@@ -52,8 +52,8 @@ def paired(rows) -> list[str]:
     """Searched vs uniform at equal stored bits on the same CoQA turns: the mean per-turn F1 difference and its
     standard error (paired, so the turns' own spread cancels)."""
     out = []
-    uniform = [r for r in rows if not r["budget"] and "stored" in r and "samples" in r]
-    for s in sorted((r for r in rows if r["budget"] and "samples" in r), key=lambda r: r["budget"]):
+    uniform = [r for r in rows if not r["budget"] and "stored" in r and "coqa" in r]
+    for s in sorted((r for r in rows if r["budget"] and "coqa" in r), key=lambda r: r["budget"]):
         for u in uniform:
             if abs(u["stored"] - s.get("stored", -1)) > 1e-9:
                 continue
@@ -95,7 +95,7 @@ def per_head_vs_layer(rows) -> list[str]:
                     f"- {h['label']} vs {r['label']} (both {r['stored']:.3f} bits per element): decode ppl "
                     f"{h['ppl'][512]:.2f} vs {r['ppl'][512]:.2f} ({change:+.1f}%)"
                 )
-                if "samples" in h and "samples" in r:
+                if "coqa" in h and "coqa" in r:
                     line += f"; {paired_f1(r, h)}"
                 out.append(line)
     return ["", *out] if out else []
@@ -105,14 +105,24 @@ def spec(d) -> QuantSpec:
     return QuantSpec(d["bits"], d["group_size"], d["axis"], d["format"])
 
 
-def main() -> None:
+def load_model():
     from kvq_lab.models.loading import load_model
 
-    model, _ = load_model("smollm2-135m")
+    return load_model(MODELS[0])[0]
+
+
+def tables(recs: list[dict], model=None) -> dict[str, str]:
+    """{file name here: its text}: table.md (`model`: the loaded SmolLM2, loaded here when not given)."""
+    return {"table.md": "\n".join(collect(recs, model or load_model())[0]) + "\n"}
+
+
+def collect(recs: list[dict], model) -> tuple[list[str], dict]:
+    """-> (the table's lines, its rows by (key bits, value bits))."""
     rows: dict[tuple, dict] = {}
     H = model.config.num_key_value_heads
     tokens = set()  # the searches' precision.tokens: every row's bytes are counted at that length
-    for folder, r in records():
+    for r in recs:
+        folder = Path(r["_path"])
         cc = r["cache_config"]
         layers = cc.get("layers") or []
         prec = r["config"].get("precision") or {}
@@ -130,8 +140,8 @@ def main() -> None:
         n = int(m.get("coqa_turns/n") or r["config"].get("limit") or 0)
         if "coqa_turns/f1" in m and n >= row.get("n", 0):  # the run over the most turns (60, then 100 where run)
             row["f1"], row["n"] = m["coqa_turns/f1"], n
-            row["f1_se"] = f1_se(folder / "samples.json")
-            row["samples"] = folder / "samples.json"
+            row["f1_se"] = f1_se(r)
+            row["coqa"] = r
         if name == "search":
             row["searched"] = folder / "precision.yaml"
             tokens.add(prec["tokens"])
@@ -168,10 +178,18 @@ def main() -> None:
         row["label"] = label
     lines += paired(rows.values())
     lines += per_head_vs_layer(rows.values())
+    return lines, rows
+
+
+def main() -> None:
+    lines, rows = collect(records(), load_model())
     table = "\n".join(lines)
     print(table)
     (HERE / "table.md").write_text(table + "\n")
+    figure(rows)
 
+
+def figure(rows: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

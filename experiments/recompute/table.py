@@ -3,35 +3,63 @@
 Rows: recompute (bits x rank) and the packed KV cache (bits), with decode ppl and the bytes each stores per token
 and layer, measured with the cache's own nbytes() after a prefill of `--tokens` tokens (the ppl windows' length) on
 SmolLM2, and the same as bits per K/V element (2 x 3 KV heads x 64 = 384 K/V values per token and layer).
+
+The bytes are measured on the model's first decoder layer alone (the model cut to it, logits of the last position
+only): every layer of SmolLM2 has the same shapes and the same cache, and what a layer stores depends on its shapes
+and the token count, not on the values, so one layer's bytes per token are every layer's (the whole model, 30x the
+work, gave the same table). Records: SmolLM2-135M's decode-ppl runs, read through `kvq_lab.report.study.read` (each
+checked against its digest); the newest completed record of a cache wins.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[1] / "scripts")]
+
+from cli_args import Parser  # noqa: E402
+
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
+TOKENS = 768  # the ppl windows' length (512 prefilled + 256 scored): where the bytes are counted
 
 
-def main() -> None:
+def records() -> list[dict]:
+    return read(HERE, MODELS, where={"config.task.name": "ppl"})
+
+
+def one_layer_model():
+    """SmolLM2 cut to its first decoder layer (see the module docstring); refuses a model whose layers differ."""
+    from kvq_lab.models.loading import load_model
+
+    model, _ = load_model(MODELS[0])
+    cfg = model.config
+    shapes = {tuple(p.shape for p in layer.self_attn.parameters()) for layer in model.model.layers}
+    if len(shapes) != 1 or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["full_attention"]):
+        raise SystemExit("recompute/table.py: the model's layers differ; one layer's bytes do not stand for all")
+    model.model.layers = model.model.layers[:1]
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    return model
+
+
+def tables(recs: list[dict], model=None, tokens: int = TOKENS) -> dict[str, str]:
+    """{file name here: its text}: table.md (`model`: `one_layer_model()`, made here when not given)."""
     import torch
 
     from kvq_lab.cache import CacheConfig, QuantizedKVCache
-    from kvq_lab.models.loading import cache_kwarg, load_model
+    from kvq_lab.models.loading import cache_kwarg
     from kvq_lab.quant.spec import QuantSpec
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=768, help="prefill length at which bytes are counted")
-    args = ap.parse_args()
-    model, _ = load_model("smollm2-135m")
+    model = model or one_layer_model()
     L = model.config.num_hidden_layers
     rows = {}
-    for p in sorted((HERE / "runs").glob("*/record.json")):
-        r = json.loads(p.read_text())
-        if r.get("status") != "ok" or "ppl/ppl" not in r["metrics"]:
+    for r in recs:
+        if "ppl/ppl" not in r["metrics"]:
             continue
         cc = r["cache_config"]
         k, v = cc["key"], cc["value"]
@@ -49,22 +77,31 @@ def main() -> None:
         "| cache | mode | bits | rank | bytes / token / layer | bits per K/V element | decode ppl |",
         "|---|---|---|---|---|---|---|",
     ]
-    ids = torch.randint(3, 1000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
     res = []
     for label, (cfg, ppl) in rows.items():
         cache = QuantizedKVCache.for_model(model, cfg)
         with torch.no_grad():
-            model(ids, **{cache_kwarg(): cache}, use_cache=True)
+            model(ids, **{cache_kwarg(): cache}, use_cache=True, logits_to_keep=1)
         nb = cache.nbytes()
-        per_tok = nb["stored"] / (args.tokens * L)
+        per_tok = nb["stored"] / (tokens * L)
         bits = 8 * nb["stored"] / (nb["fp16"] / 2)
         rank = cfg.recompute_rank if cfg.mode == "recompute" else "-"
         cells = [f"`{label}`", cfg.mode, cfg.key.bits, rank or "X (576)", f"{per_tok:.0f}", f"{bits:.2f}", f"{ppl:.2f}"]
         res.append((bits, "| " + " | ".join(map(str, cells)) + " |"))
     out += [line for _, line in sorted(res, key=lambda t: t[0])]
-    table = "\n".join(out)
-    print(table)
-    (HERE / "table.md").write_text(table + "\n")
+    return {"table.md": "\n".join(out) + "\n"}
+
+
+def main() -> None:
+    ap = Parser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=TOKENS, help="prefill length at which bytes are counted")
+    args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error(f"--tokens {args.tokens}: count the bytes after at least one token")
+    for name, text in tables(records(), tokens=args.tokens).items():
+        (HERE / name).write_text(text)
+        print(text, end="")
 
 
 if __name__ == "__main__":
