@@ -1,4 +1,5 @@
-"""Decode perplexity of the packed cache through each backend (the records in runs/), as a bar chart.
+"""Decode perplexity of the packed cache through each backend (SmolLM2-135M's records in runs/, read through
+`kvq_lab.report.study.read`: each checked against its digest), as a bar chart.
 
 python experiments/backend_agreement/figure.py      # writes experiments/backend_agreement/backends.png
 """
@@ -15,12 +16,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
-from kvq_lab.records.index import query  # noqa: E402
+from kvq_lab.report.study import read  # noqa: E402
+
+MODELS = ("smollm2-135m",)
 
 
 def main() -> None:
     ppl = {}
-    for r in query(HERE, {"status": "ok"}, verified=True):
+    for r in read(HERE, MODELS):
         c = r["config"]
         ppl[(c["bits"], c["residual_length"], c["backend"])] = r["metrics"]["ppl/ppl"]
     settings = sorted({k[:2] for k in ppl})

@@ -1,12 +1,16 @@
 """KIVI Table 2 over run records: reconstruction error vs error where the tensor is consumed, per-token beside
 per-channel, ours beside the paper's Llama-2-13B numbers, and per-layer/head figures of the axis effect.
 
-python -m kvq_lab.report.error_geometry results [--experiment NAME] [--figures DIR]
+python -m kvq_lab.report.error_geometry results [--experiment NAME] [--model NAME] [--figures DIR]
+
+Probe records are read through `kvq_lab.report.study.read` (each checked against its digest), of one model
+(`--model`, default SmolLM2-135M): a folder holding two models' probes never averages them into one cell.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from kvq_lab.probes.metrics import ERRORS
@@ -125,22 +129,25 @@ def axis_figure(records: list[dict], definition: str, path: Path, title: str = "
 
 
 def main(argv=None) -> None:
-    from kvq_lab.records.record import load_records
+    from kvq_lab.report.study import read
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results_dir", nargs="?", default="results")
     ap.add_argument("--experiment", default=None, help="only records with this experiment_name")
+    ap.add_argument("--model", default="smollm2-135m", help="whose probes (model.path or name, e.g. gemma3-270m)")
     ap.add_argument("--runs", nargs="*", default=None, help="only these run folder names")
     ap.add_argument(
         "--figures", default=None, help="folder for per-token vs per-channel heat-maps (one per definition)"
     )
     args = ap.parse_args(argv)
+    if not (Path(args.results_dir) / "runs").is_dir():
+        print(f"error: {args.results_dir!r} holds no runs/ folder: name a results folder (e.g. experiments/bits)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     recs = [
         r
-        for r in load_records(Path(args.results_dir), verified=True)
-        if r.get("status") == "ok"
-        and r["config"].get("task", {}).get("name") == "probe"
-        and (args.experiment is None or r.get("experiment") == args.experiment)
+        for r in read(Path(args.results_dir), (args.model,), where={"config.task.name": "probe"})
+        if (args.experiment is None or r.get("experiment") == args.experiment)
         and (args.runs is None or Path(r["_path"]).name in args.runs)
     ]
     print(f"{len(recs)} probe records")
