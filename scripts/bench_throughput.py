@@ -65,7 +65,7 @@ from kvq_lab.models.loading import cache_kwarg, load_model  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
 from kvq_lab.records.provenance import code_version  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30}
 
 
