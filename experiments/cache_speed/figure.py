@@ -5,11 +5,12 @@
 Decode speed is a ratio to DynamicCache in the same setting (dtype, batch) and prompt length, by the two estimators the
 records hold: `ratio` (the cache's median step against DynamicCache's) and `paired_ratio` (the median over rounds of
 the two caches' step-time ratio in one round, which cancels the machine's drift). Peak cache in MiB (2^20 bytes).
+The records are the benchmark's JSON runs (`kvq_lab.report.study.bench_runs`); the tables are the README's.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -18,6 +19,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
+
+from kvq_lab.report.study import bench_runs  # noqa: E402
+
 LENGTHS = (512, 4096, 8192)
 BARS = {512: 1.0, 4096: 1.2, 8192: 1.35}  # the decode-speed bars against DynamicCache
 PRE_BAR = 0.95  # rope=pre within 5% of rope=post
@@ -36,8 +41,8 @@ def cache_name(row: dict) -> str:
 def load() -> dict[tuple[str, str], dict[int, dict]]:
     """(setting, cache) -> prompt length -> the record's row, in the records' order."""
     out: dict[tuple[str, str], dict[int, dict]] = {}
-    for path in sorted(HERE.glob("records/*.json")):
-        for row in json.loads(path.read_text())["rows"]:
+    for _, run in bench_runs(HERE):
+        for row in run["rows"]:
             key = (SETTINGS[row["dtype"], row["batch"]], cache_name(row))
             out.setdefault(key, {})[row["length"]] = row
     order = list(SETTINGS.values())
@@ -96,12 +101,20 @@ def figure(rows: dict) -> None:
     fig.savefig(HERE / "ratio_vs_length.png", dpi=100)
 
 
+def readme_tables(rows: dict) -> list[str]:
+    """The README's three tables: decode speed, rope=pre over rope=post, peak cache."""
+    pre = {(s, ""): by_len for (s, c), by_len in rows.items() if c.endswith("rope=pre")}
+    return [
+        table(rows, "decode speed vs DynamicCache (medians / paired)", speed, ">= {bar}x"),
+        table(pre, "rope=pre / rope=post (medians / paired)", pre_over_post, f">= {PRE_BAR}"),
+        table(rows, "peak cache MiB", lambda r, n: f"{r['peak_bytes'] / 2**20:.1f}"),
+    ]
+
+
 def main() -> None:
     rows = load()
-    print(table(rows, "decode speed vs DynamicCache (medians / paired)", speed, ">= {bar}x"), end="\n\n")
-    pre = {(s, ""): by_len for (s, c), by_len in rows.items() if c.endswith("rope=pre")}
-    print(table(pre, "rope=pre / rope=post (medians / paired)", pre_over_post, f">= {PRE_BAR}"), end="\n\n")
-    print(table(rows, "peak cache MiB", lambda r, n: f"{r['peak_bytes'] / 2**20:.1f}"), end="\n\n")
+    for text in readme_tables(rows):
+        print(text, end="\n\n")
     arith = [r["measured_over_arith"] for by_len in rows.values() for r in by_len.values() if r["measured_over_arith"]]
     print(f"peak / storage arithmetic (ours): {min(arith):.4f} - {max(arith):.4f}")
     figure(rows)

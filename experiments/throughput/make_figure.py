@@ -1,22 +1,29 @@
 """Aggregate decode tok/s vs batch from bench_throughput's JSON runs -> throughput.png and table.md (run from the repo
 root: python experiments/throughput/make_figure.py). One line per cache, its budget batch marked; the table pools
-nothing: one block per run (records/*.json), so the repeated runs' ratios stand side by side."""
+nothing: one block per run (records/*.json, read by `kvq_lab.report.study.bench_runs`), so the repeated runs' ratios
+stand side by side."""
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
+
+from kvq_lab.report.study import bench_runs  # noqa: E402
 
 
-def main() -> None:
-    runs = sorted((HERE / "records").glob("*.json"))
+def records() -> list[tuple[str, dict]]:
+    return bench_runs(HERE)
+
+
+def tables(runs: list[tuple[str, dict]]) -> dict[str, str]:
+    """{file name here: its text}: table.md."""
     lines = []
-    for path in runs:
-        data = json.loads(path.read_text())
+    for name, data in runs:
         budget = data["budget_bytes"] / 2**30
-        lines.append(f"### {path.name}: budget {budget:.3g} GiB, code {data['code']}\n")
+        lines.append(f"### {name}: budget {budget:.3g} GiB, code {data['code']}\n")
         lines.append(
             "| dtype | context | cache | MiB / seq | batch | x seqs | decode tok/s | x Dynamic | tok/s per seq | "
             "prefill tok/s | fits | same tokens |"
@@ -29,16 +36,25 @@ def main() -> None:
                 f"{r['per_seq_tok_s']:.2f} | {r['prefill_tok_s']:.0f} | {r['fits']} | {r['same_tokens']} |"
             )
         lines.append("")
-    (HERE / "table.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return {"table.md": "\n".join(lines)}
 
+
+def main() -> None:
+    runs = records()
+    for name, text in tables(runs).items():
+        (HERE / name).write_text(text)
+        print(text)
+    figure(runs)
+
+
+def figure(runs: list[tuple[str, dict]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     # the figure: the run with the most measured points (--curve); the table shows every run
-    data = max((json.loads(p.read_text()) for p in runs), key=lambda d: sum(len(r["curve"]) for r in d["rows"]))
+    data = max((d for _, d in runs), key=lambda d: sum(len(r["curve"]) for r in d["rows"]))
     panels = sorted({(r["dtype"], r["length"]) for r in data["rows"]}, key=lambda p: (p[0], p[1]))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
     for ax, (dtype, length) in zip(axes[0], panels, strict=True):

@@ -82,3 +82,10 @@ def samples(rec: dict) -> list[dict]:
 def per_doc(rec: dict, field: str, scale: float = 1.0) -> dict[int, float]:
     """doc_id -> `field` of each scored document (e.g. `f1`, 0..1; `scale=100` for %), in the samples' order."""
     return {int(s["doc_id"]): scale * float(s[field]) for s in samples(rec)}
+
+
+def bench_runs(folder: str | Path) -> list[tuple[str, dict]]:
+    """(file name, run) of every benchmark run kept under `<folder>/records/*.json` (scripts/bench_throughput.py and
+    bench_cache.py write them with `--json`), by file name. Unlike run records these carry no digest: the
+    benchmarks write them unsealed, and git's history is what guards the committed ones."""
+    return [(p.name, json.loads(p.read_text())) for p in sorted((Path(folder) / "records").glob("*.json"))]
