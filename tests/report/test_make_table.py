@@ -79,6 +79,10 @@ def test_cli_prints_and_writes_table_and_png(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "make_table.py"), "nope", "--results-dir",
                         str(results), "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert p.returncode == 1 and "no records" in p.stdout
+    for folder in (tmp_path / "mistyped", out):  # missing, and a folder without runs/: one line, exit 2
+        p = subprocess.run([*cmd[:3], "--results-dir", str(folder)], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and str(folder) in p.stderr and not p.stdout
+    assert not (tmp_path / "mistyped").exists()
 
 
 def test_rows_come_from_the_structured_cache_config_not_the_label(tmp_path):
