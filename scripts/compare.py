@@ -2,7 +2,7 @@
 
     python scripts/compare.py --where task.name=ppl --where key_axis=channel
     python scripts/compare.py --where cache_config.key.bits=2 --metrics ppl/ppl --cols key_axis,value_axis
-    python scripts/compare.py experiments/bits experiments/group_size --where task.name=ppl --csv /tmp/rows.csv
+    python scripts/compare.py experiments/bits experiments/group_size --where task.name=ppl --csv rows.csv
     python scripts/compare.py --verify                  # check every record against its digest; exit 1 on a mismatch
 
 Folders: results folders, each holding runs/ (default: results/ and every experiments/<name>/ with runs/); a folder

@@ -2,7 +2,7 @@
 
     python scripts/make_table.py kivi_axis_table                      # prints; writes experiments/kivi_axis_table/
     python scripts/make_table.py kivi_axis_table --limit 20           # only the quick runs (limit=20)
-    python scripts/make_table.py kivi_residual --results-dir results/mine --out results/mine_table
+    python scripts/make_table.py kivi_residual --results-dir ../mine --out ../mine/table
 
 Rows: one per cache setting; for each task the run covering the most documents (newest among equals). Failed or
 unfinished rows say so instead of disappearing. Records are read through the record index, each checked against its

@@ -1,8 +1,8 @@
 """The paper's numbers (KIVI, Liu et al., ICML 2024, arXiv 2402.02750) as data, for "paper" columns.
 
-Copied from /work/shared/ANCHORS.md. CoQA and GSM8K are exact match in %, TruthfulQA is BLEU (lm-eval
-`truthfulqa_gen` bleu_max). `paper_values(config)` maps one of our resolved run configs to the paper's row for
-the same quantizer setting, or {} when the paper has no such row.
+Copied from ANCHORS.md of the shared folder beside the checkout (../shared/ANCHORS.md). CoQA and GSM8K are exact
+match in %, TruthfulQA is BLEU (lm-eval `truthfulqa_gen` bleu_max). `paper_values(config)` maps one of our resolved
+run configs to the paper's row for the same quantizer setting, or {} when the paper has no such row.
 """
 
 from __future__ import annotations

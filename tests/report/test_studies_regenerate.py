@@ -139,3 +139,48 @@ def test_the_cache_speed_readme_holds_the_tables_its_records_make(monkeypatch):
     readme = (EXP / "cache_speed" / "README.md").read_text()
     for table in mod.readme_tables(mod.load()):
         assert table in readme, table.splitlines()[0]
+
+
+# -- no committed file names a path of one machine ------------------------------------------------------------------
+# A root only some machine has: a home, a workspace, a scratch or temporary folder. `(?<![\w.~-])`: not the tail of a
+# relative path (experiments/tmp/...) or of a URL (https://host/home/...).
+MACHINE_PATH = r"(?<![\w.~-])/(?:work|root|home|Users|tmp|mnt|scratch)/[\w.$-]"
+# What may name one, and why. Sealed run records (`runs/<run>/`): their digest covers every byte, and they say where
+# they ran (env, data_dir), which is what a record is for. Verbatim outputs of a tool run kept as evidence (benchmark
+# records/ and profile/ folders, .log files, the GPU check's outputs): the command lines they quote are what ran.
+EXEMPT_DIRS = ("runs", "records", "profile")
+EXEMPT_FILES = {
+    "scripts/gpu_check.sh": "the GPU kernel work's: it installs into a temporary folder of the device it runs on",
+    "scripts/bench_kernels.py": "the GPU kernel work's (its docstring's example writes to a temporary folder)",
+}
+
+
+def exempt(path: str) -> bool:
+    parts = Path(path).parts
+    return (
+        path in EXEMPT_FILES
+        or any(d in parts[:-1] for d in EXEMPT_DIRS)
+        or path.endswith(".log")
+        or path.startswith("experiments/kernels/gpu_check/")
+    )
+
+
+def test_no_committed_file_names_a_path_of_one_machine():
+    """Study commands use `../shared/data` and a relative `results_dir`; docs and scripts name no one's home,
+    workspace or /tmp folder (they ran on one machine and must run on the next)."""
+    import re
+
+    pattern = re.compile(MACHINE_PATH)
+    files = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=REPO, check=True).stdout.decode()
+    found = []
+    for f in filter(None, files.split("\0")):
+        p = REPO / f
+        if exempt(f) or not p.is_file():
+            continue
+        data = p.read_bytes()
+        if b"\0" in data[:8192]:  # binary (PNG, Parquet)
+            continue
+        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            if pattern.search(line):
+                found.append(f"{f}:{n}: {line.strip()[:100]}")
+    assert not found, "absolute paths of one machine (use ../shared/data, relative results_dir):\n" + "\n".join(found)
