@@ -410,3 +410,132 @@ def test_padded_generation_goes_through_the_kernel(monkeypatch, rope="pre"):
     assert torch.equal(out["triton"], out["torch"])
     assert len(calls) == 7 * model.config.num_hidden_layers
     assert all(p is not None and (r is not None) == (rope == "pre") for p, r in calls)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the tensor-core route (`attention_tc`): fp16 / bf16 models, int codes, rope=post
+# ----------------------------------------------------------------------------------------------------------------
+def half_attention(q, K, V, mask, scale, dtype):
+    """Attention as a half-precision GPU kernel computes it: q, K, V in the model's dtype, scores and sums in fp32,
+    the softmax weights rounded to the model's dtype before the product with V (FlashAttention's precision)."""
+    r = q.shape[1] // K.shape[1]
+    qh, Kh, Vh = (t.to(dtype).double() for t in (q, K.repeat_interleave(r, 1), V.repeat_interleave(r, 1)))
+    sc = (qh @ Kh.transpose(-1, -2)).float().double() * scale
+    if mask is not None:
+        sc = sc + (torch.zeros_like(mask, dtype=torch.double).masked_fill(~mask, float("-inf")) if mask.dtype ==
+                   torch.bool else mask.double())  # fmt: skip
+    mx = sc.amax(-1, keepdim=True)
+    e = torch.exp(sc - mx)
+    return ((e.to(dtype).double() @ Vh) / e.sum(-1, keepdim=True)).to(dtype).transpose(1, 2)
+
+
+def exact_view_attention(view, q, mask, scale):
+    """fp64 attention over the view's K/V as the PyTorch path assembles them (fp32 dequantized history)."""
+    from kvq_lab.kernels.torch_path import _assemble
+
+    K = _assemble(view.keys, view.N, view.sink_tokens, "k").clone()
+    V = _assemble(view.values, view.N, view.sink_tokens, "v").clone()
+    return fp64_attention(q, K, V, mask, scale), K, V
+
+
+# (key spec, value spec, R, sinks, D, query heads per kv head, prompt, tokens, splits, mask)
+TC_CASES = [
+    ((2, 32, "channel"), (2, 32, "token"), 32, 2, 64, 4, 101, 131, None, None),  # KIVI's, GQA 4
+    ((2, 32, "channel"), (2, 32, "token"), 32, 2, 64, 4, 101, 131, 3, "float"),  # 3 history splits, a mask
+    ((2, 32, "channel"), (4, 32, "token"), 128, 0, 128, 8, 300, 301, 1, None),  # D 128, GQA 8, one split
+    ((4, 64, "channel"), (2, 64, "channel"), 0, 4, 64, 3, 150, 157, 2, None),  # V per-channel: folded on the output
+    ((2, 32, "token"), (2, 16, "token"), 0, 0, 64, 1, 77, 79, None, None),  # both per-token, no window, MHA
+    ((1, 32, "token"), (8, 32, "channel"), 32, 1, 64, 2, 60, 100, 2, None),  # 1- and 8-bit codes
+    ((2, 128, "channel"), (2, 32, "token"), 128, 0, 256, 2, 256, 257, None, None),  # D 256, G 128
+    ((2, 32, "channel"), (2, 32, "token"), 32, 0, 64, 3, 1, 2, None, None),  # two tokens: no history at all
+    ((2, 32, "channel"), (2, 32, "token"), 0, 3, 64, 3, 35, 36, None, "bool"),  # R 0: history after the sinks
+]
+
+
+@pytest.mark.parametrize("case", TC_CASES, ids=lambda c: f"K{c[0][0]}{c[0][2][0]}{c[0][1]}-V{c[1][0]}{c[1][2][0]}"
+                         f"{c[1][1]}-R{c[2]}-S{c[3]}-D{c[4]}-r{c[5]}-N{c[7]}-s{c[8]}-{c[9]}")  # fmt: skip
+def test_tensor_core_route_matches_attention_in_half_precision(case):
+    """fp16 model, int codes: the tensor-core route (codes made half by the magic number, per-channel parameters
+    folded into the query or the product, both products as tl.dot) against fp64 attention over the same stored K/V:
+    at most twice the error of attention computed in the model's half precision, on awkward lengths (one token,
+    no history, a history not a multiple of the tile, one and several splits). The general route gives the same
+    answer within that rounding."""
+    key, value, R, S, D, r, L, T, splits, mask_kind = case
+    dtype = torch.float16
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend="torch")  # fmt: skip
+    layer, g = streamed(cfg, D, 1, L, T, dtype, T + D + r)
+    view = layer.decode_view()
+    q = (torch.randn(1, 2 * r, 1, D, generator=g) * 2).to(dtype).to(DEV)
+    N, scale = layer.N, D**-0.5
+    mask = {None: None, "float": torch.randn(1, 1, 1, N, generator=g).to(DEV),
+            "bool": (torch.rand(1, 1, 1, N, generator=g) > 0.2).to(DEV)}[mask_kind]  # fmt: skip
+    assert tk.supports(view, q, mask) == "tensor_cores"
+    got = tk.decode_attention(view, q, mask, scale, splits=splits)
+    assert got.dtype == dtype and got.shape == (1, 1, 2 * r, D)
+    exact, K, V = exact_view_attention(view, q, mask, scale)
+    err = (got.double() - exact).abs().max().item()
+    err_half = (half_attention(q, K, V, mask, scale, dtype).double() - exact).abs().max().item()
+    assert err <= 2 * err_half + 1e-4, (err, err_half)
+    general = tk.decode_attention(view, q, mask, scale, route="general")
+    torch.testing.assert_close(got.float(), general.float(), rtol=4e-3, atol=4e-3)
+
+
+# (key spec, value spec, R, sinks, pads per row, prompt, tokens)
+TC_PAD_CASES = [
+    ((2, 32, "channel"), (2, 32, "token"), 32, 2, [0, 5, 40], 75, 100),  # row 3: pads longer than the window
+    ((2, 32, "token"), (4, 32, "token"), 32, 0, [9, 0], 75, 90),  # both per-token: the run starts after the pads
+    ((4, 32, "token"), (2, 32, "channel"), 0, 3, [0, 70, 33], 75, 80),  # a row of 5 real tokens
+]
+
+
+@pytest.mark.parametrize("case", TC_PAD_CASES, ids=lambda c: f"K{c[0][2][0]}V{c[1][2][0]}-R{c[2]}-S{c[3]}-B{len(c[4])}")
+def test_tensor_core_route_reads_left_padded_rows(case):
+    """A left-padded batch on the tensor-core route (each row's own sinks, history and window; a per-token stream
+    read at the per-channel stream's offsets) against fp64 attention over the materialized padded cache with its
+    padding mask: within twice the half-precision error, and the general route's answer within rounding."""
+    key, value, R, S, pads, L, T = case
+    B, D, r, dtype = len(pads), 64, 4, torch.float16
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+                      backend="torch")  # fmt: skip
+    padding = PaddingState()
+    real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]
+    padding.prompt_mask = real.long().to(DEV)
+    ids = (real.cumsum(1) - 1).clamp(min=0).to(DEV)
+    layer, g = streamed(cfg, D, B, L, T, dtype, L + T + B, padding, ids)
+    view = layer.view_for(frozenset({"rows"}))
+    assert view.pads is not None
+    q = (torch.randn(B, 2 * r, 1, D, generator=g) * 2).to(dtype).to(DEV)
+    N, scale = layer.N, D**-0.5
+    valid = torch.cat([real, torch.ones(B, N - L, dtype=torch.bool)], 1)[:, None, None, :].to(DEV)
+    assert tk.supports(view, q, valid) == "tensor_cores"
+    got = tk.decode_attention(view, q, valid, scale, splits=2)
+    K, V = layer.materialize()  # the model's dtype: the history rounded once more than the kernel reads it
+    exact = fp64_attention(q, K, V, valid, scale)
+    err = (got.double() - exact).abs().max().item()
+    err_half = (half_attention(q, K, V, valid, scale, dtype).double() - exact).abs().max().item()
+    assert err <= 2 * err_half + 2e-3, (err, err_half)
+    general = tk.decode_attention(view, q, valid, scale, route="general")
+    torch.testing.assert_close(got.float(), general.float(), rtol=4e-3, atol=4e-3)
+
+
+def test_which_route_runs():
+    """`supports` names the route: tensor cores for fp16 int codes at rope=post; the general route for an fp32 model,
+    rope=pre keys, table formats, 3-bit words and per-channel groups of 16; bf16 only compiled (the interpreter's
+    bf16 arithmetic is wrong). Asking for the tensor-core route where it cannot run is an error naming why."""
+
+    def view_q(dtype=torch.float16, key=(2, 32, "channel"), value=(2, 32, "token"), rope="post"):
+        cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=32,
+                          backend="torch", rope=rope)  # fmt: skip
+        layer, g = streamed(cfg, 64, 1, 70, 72, dtype, 1)
+        return layer.view_for(frozenset({"rope"})), torch.randn(1, 4, 1, 64, generator=g).to(dtype).to(DEV)
+
+    assert tk.supports(*view_q()) == "tensor_cores"
+    for kw in (dict(dtype=torch.float32), dict(rope="pre"), dict(key=(2, 32, "channel", "lut")),
+               dict(value=(3, 32, "token")), dict(key=(2, 16, "channel"))):  # fmt: skip
+        view, q = view_q(**kw)
+        assert tk.supports(view, q) == "general", kw
+        with pytest.raises(ValueError, match="tensor-core route cannot take this view"):
+            tk.decode_attention(view, q, None, 0.125, route="tensor_cores")
+    view, q = view_q(dtype=torch.bfloat16)
+    assert tk.supports(view, q) == ("tensor_cores" if DEV == "cuda" else "general")

@@ -45,7 +45,7 @@ class Capture:  # stands for a @triton.jit kernel: kernel[grid](...) records the
         return lambda *args, **kw: launches.append((self.fn, args, kw))
 
 
-for module, name in ((attention, "_decode_attn_kernel"), (attention, "_combine_kernel"),
+for module, name in ((attention, "_decode_attn_kernel"), (attention, "combine_kernel"),
                      (dequantize, "_dequant_kernel"), (quantize, "_quantize_pack_kernel")):
     setattr(module, name, Capture(getattr(module, name)))
 os.environ["TRITON_INTERPRET"] = "1"  # now that the kernels are JIT functions: supports() takes CPU tensors
@@ -132,5 +132,25 @@ def test_every_kernel_launch_compiles_for_sm90():
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice (the launches set it themselves)
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    kernels = "['_combine_kernel', '_decode_attn_kernel', '_dequant_kernel', '_quantize_pack_kernel']"
+    kernels = "['_decode_attn_kernel', '_dequant_kernel', '_quantize_pack_kernel', 'combine_kernel']"
     assert f"compiled 14 launches of {kernels}" in r.stdout, r.stdout
+
+
+def test_tensor_core_route_machine_code(monkeypatch):
+    """The tensor-core route's decode kernel, compiled for sm_90a in every configuration of scripts/kernel_report.py
+    (fp16 and bf16, D 64/128/256, MHA to GQA 8, KIVI-2/4, K-T/V-T, K-C/V-C, 8- and 1-bit codes, padded rows with a
+    mask) and read back from its machine code: it multiplies on tensor cores (HMMA), converts no integer to a float
+    inside any loop (codes become halves by bit operations), spills no register and touches no local memory."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell").exists():
+        pytest.skip("no ptxas / cuobjdump in this triton install")
+    from helpers_models import script_module
+
+    kernel_report = script_module("kernel_report", monkeypatch)
+    rows = kernel_report.report(routes=("tensor_cores",))
+    assert len(rows) == len(kernel_report.CONFIGS)
+    for r in rows:
+        assert r["kernel"] == "_tc_decode_kernel", r
+        assert r["mma"] > 0 and r["main_loop"]["mma"] > 0, r
+        assert r["loop_i2f"] == 0 and r["spill_bytes"] == 0 and r["local"] == 0, r

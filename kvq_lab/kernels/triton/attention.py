@@ -1,8 +1,15 @@
 """Fused decode attention over packed K/V (a `kvq_lab.kernels.view.DecodeView`): query [B, Hq, 1, D] -> [B, 1, Hq, D];
 GQA, sinks, packed history and window read where they lie, rope=pre keys rotated in the kernel, left-padded rows.
 
-The C kernel's semantics (`cpu_kernel.c`), on a grid of (batch row x kv head, chunk of positions) programs
-(flash-decoding: long caches split over programs, then `_combine_kernel` merges the chunks' softmax partials).
+Two routes (`supports` says which one a view takes, `decode_attention(route=...)` can ask for the general one):
+- "tensor_cores" (`attention_tc`): fp16 / bf16 models, int codes, rope=post: the query heads of a kv head as the rows
+  of one tile, both products on tensor cores, codes made half precision by bit operations; the fast route.
+- "general" (this module's kernel, below): every view the kernel reads, fp32 models, every code format through its
+  table, rope=pre; products with `tl.sum` in fp32, the reference's roundings.
+
+The general kernel: the C kernel's semantics (`cpu_kernel.c`), on a grid of (batch row x kv head, chunk of positions)
+programs (flash-decoding: long caches split over programs, then `common.combine_kernel` merges the chunks' softmax
+partials).
 A program reads each K/V row once for all R query heads of its kv head (GQA without repeating K/V).
 Position p of row b (j = p - pads[b], its index among the row's real tokens; pads 0 without `rows`):
 
@@ -39,33 +46,8 @@ from kvq_lab.quant.pack import BLOCK, word_layout
 from ..torch_path import decode_attention_torch
 from ..view import DecodeView, Unsupported, check_codes_only
 from ..workspace import const
-from .common import code_values, load_codes
-
-
-@triton.jit
-def _deq_rows(
-    p_ptr, spr, s_ptr, z_ptr, sqt, t_ptr, i, ok, d,
-    G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
-    AXIS_TOKEN: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ZERO: tl.constexpr,
-):  # fmt: skip
-    """Dequantized rows [len(i), len(d)] (fp32) of storage positions i, channels d: table[code] * scale (+ zero);
-    zero where not ok."""
-    c = code_values(load_codes(p_ptr, i, ok, spr, d, BITS, NB, M, BLK), t_ptr, ok, HAS_TABLE)
-    if AXIS_TOKEN:
-        q_off = i[:, None] * sqt + (d // G)[None, :]
-    else:
-        q_off = (i // G)[:, None] * sqt + d[None, :]
-    s = tl.load(s_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    out = c * s
-    if HAS_ZERO:
-        out = out + tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _fp_rows(ptr, st, idx, ok, d):
-    """Rows [len(idx), len(d)] (fp32) idx of an exact buffer (row stride st) in the model's dtype; zero where not ok."""
-    return tl.load(ptr + idx[:, None] * st + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+from . import attention_tc
+from .common import combine_kernel, deq_rows, fp_rows
 
 
 @triton.jit
@@ -146,14 +128,14 @@ def _decode_attn_kernel(
         k_hist = rest & (kt < kc)
         k_win = rest & (kt >= kc)
         krow = Wk - (N - p)
-        s_lo = _fp_rows(ksink, kskt, j, sink, dl)
-        s_hi = _fp_rows(ksink, kskt, j, sink, dh)
-        x_lo = _deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dl, KG, KBITS, KNB, KM, BLK, K_TOKEN,
+        s_lo = fp_rows(ksink, kskt, j, sink, dl)
+        s_hi = fp_rows(ksink, kskt, j, sink, dh)
+        x_lo = deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dl, KG, KBITS, KNB, KM, BLK, K_TOKEN,
                          K_TABLE, K_ZERO)  # fmt: skip
-        x_hi = _deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dh, KG, KBITS, KNB, KM, BLK, K_TOKEN,
+        x_hi = deq_rows(kpack, kpr, kscale, kzero, kqt, kt_ptr, kt, k_hist, dh, KG, KBITS, KNB, KM, BLK, K_TOKEN,
                          K_TABLE, K_ZERO)  # fmt: skip
-        x_lo += _fp_rows(kwin, kwt, krow, k_win, dl)
-        x_hi += _fp_rows(kwin, kwt, krow, k_win, dh)
+        x_lo += fp_rows(kwin, kwt, krow, k_win, dl)
+        x_hi += fp_rows(kwin, kwt, krow, k_win, dh)
         if ROPE:  # rotate history keys at their position ids; sinks and window are post-RoPE already
             ids = tl.load(pos_ptr + b * spb_ + p, mask=k_hist, other=0)
             in_table = (ids >= 0) & (ids < P)
@@ -181,10 +163,10 @@ def _decode_attn_kernel(
         vt = p - v0
         v_hist = rest & (vt < vc)
         v_win = rest & (vt >= vc)
-        v = _fp_rows(vsink, vskt, j, sink, d)
-        v += _deq_rows(vpack, vpr, vscale, vzero, vqt, vt_ptr, vt, v_hist, d, VG, VBITS, VNB, VM, BLK, V_TOKEN,
+        v = fp_rows(vsink, vskt, j, sink, d)
+        v += deq_rows(vpack, vpr, vscale, vzero, vqt, vt_ptr, vt, v_hist, d, VG, VBITS, VNB, VM, BLK, V_TOKEN,
                        V_TABLE, V_ZERO)  # fmt: skip
-        v += _fp_rows(vwin, vwt, Wv - (N - p), v_win, d)
+        v += fp_rows(vwin, vwt, Wv - (N - p), v_win, d)
         l_sum = l_sum * alpha + tl.sum(w, axis=1)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
         m = m_new
@@ -198,30 +180,6 @@ def _decode_attn_kernel(
         tl.store(o_ptr + b * sob + (hk * R + r)[:, None] * soh + d[None, :], out, mask=rok[:, None])
 
 
-@triton.jit
-def _combine_kernel(part_ptr, o_ptr, sob, soh, Hkv, R, C, D: tl.constexpr, RP: tl.constexpr):
-    """The C chunks' partials of one (batch row, kv head) -> its R query heads' outputs (flash-decoding's merge)."""
-    bh = tl.program_id(0)
-    b, hk = bh // Hkv, bh % Hkv
-    r = tl.arange(0, RP)
-    rok = r < R
-    d = tl.arange(0, D)
-    base = part_ptr + bh * C * RP * (D + 2) + r * (D + 2)
-    mx = tl.full((RP,), float("-inf"), tl.float32)
-    for c in range(C):
-        mx = tl.maximum(mx, tl.load(base + c * RP * (D + 2), mask=rok, other=float("-inf")))
-    shift = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.zeros((RP,), tl.float32)
-    out = tl.zeros((RP, D), tl.float32)
-    for c in range(C):
-        pc = base + c * RP * (D + 2)
-        f = tl.exp(tl.load(pc, mask=rok, other=float("-inf")) - shift)  # a chunk with nothing attended: 0
-        total += f * tl.load(pc + 1, mask=rok, other=0.0)
-        out += f[:, None] * tl.load(pc[:, None] + 2 + d[None, :], mask=rok[:, None], other=0.0)
-    out = out / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_ptr + b * sob + (hk * R + r)[:, None] * soh + d[None, :], out, mask=rok[:, None])
-
-
 XDTS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the model's dtype (window, sinks, query)
 MAX_TILE = 32  # positions per loop step, at most (`_attn_tile`)
 MIN_CHUNK = 256  # positions per program at least (a program's fixed cost: its query, one partial)
@@ -231,13 +189,27 @@ def _runs_here(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
-    """Whether the kernel takes this view, query and mask: a CUDA device (CPU tensors under TRITON_INTERPRET=1), an
-    fp32, fp16 or bf16 model (query, sinks and windows in one dtype), a power-of-two head dim, masks shared by the
-    query heads ([B or 1, 1, 1, >= N]), rope=pre keys from a `RopeView` (int32 position ids), padded rows with their
-    int64 starts and counts; never `hadamard` (the caller maps query and output around this kernel). Otherwise
-    `decode_attention` takes the PyTorch path for a plain view and raises `Unsupported` for a view with `rope`, `pads`
-    or `hadamard` (`kvq_lab.cache.attention` rebuilds or materializes those)."""
+ROUTES = ("tensor_cores", "general")
+
+
+def supports(view: DecodeView, query: torch.Tensor, mask=None) -> str | None:
+    """The route this kernel takes for this view, query and mask: "tensor_cores" (`attention_tc`: fp16 / bf16 models,
+    int codes, rope=post; `attention_tc.fast_route_reason` says why not), "general" (any other configuration the
+    kernel reads), or None where it reads none: then `decode_attention` takes the PyTorch path for a plain view and
+    raises `Unsupported` for a view with `rope`, `pads` or `hadamard` (`kvq_lab.cache.attention` rebuilds or
+    materializes those).
+
+    Both routes need a CUDA device (CPU tensors under TRITON_INTERPRET=1), an fp32, fp16 or bf16 model (query, sinks
+    and windows in one dtype), a power-of-two head dim, masks shared by the query heads ([B or 1, 1, 1, >= N]),
+    rope=pre keys from a `RopeView` (int32 position ids), padded rows with their int64 starts and counts; never
+    `hadamard` (the caller maps query and output around this kernel)."""
+    if not _reads(view, query, mask):
+        return None
+    return "tensor_cores" if attention_tc.fast_route_reason(view, query) is None else "general"
+
+
+def _reads(view: DecodeView, query: torch.Tensor, mask) -> bool:
+    """Whether either route reads this view, query and mask (`supports`)."""
     if view.hadamard is not None:
         return False
     B, Hq, _, D = query.shape
@@ -304,25 +276,35 @@ def _attn_tile(RP: int, D: int) -> int:
     return max(8, min(MAX_TILE, 4096 // (RP * D)))
 
 
+def _sm_count(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (1 for the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 def _chunk(N: int, programs: int, device: torch.device, tile: int) -> int:
     """Positions per program: enough programs to fill the GPU (about two per SM), at least MIN_CHUNK positions each."""
-    if device.type != "cuda":
-        sms = 1
-    else:
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SMS[device]
+    sms = _sm_count(device)
     per = -(-N // max(1, -(-2 * sms // programs)))
     return max(MIN_CHUNK, -(-per // tile) * tile)
 
 
-def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float, chunk: int | None = None):
+def decode_attention(
+    view: DecodeView, query: torch.Tensor, mask, scaling: float, chunk: int | None = None, *,
+    route: str | None = None, splits: int | None = None,
+):  # fmt: skip
     """Triton twin of `torch_path.decode_attention_torch` and `cpu_kernel.decode_attention`: query [B, Hq, 1, D] ->
     [B, 1, Hq, D] in the query's dtype (fp32 accumulation). Reads `view.rope` (pre-RoPE keys rotated in the kernel)
-    and `view.pads` (left-padded rows). chunk: positions per program (a multiple of `_attn_tile`, 8 always is; default:
-    `_chunk`)."""
+    and `view.pads` (left-padded rows). The route is `supports`'s unless `route` names one ("general" always runs
+    where "tensor_cores" does; asking for "tensor_cores" where it cannot run is an error). chunk: the general route's
+    positions per program (a multiple of `_attn_tile`, 8 always is; default: `_chunk`); splits: the tensor-core
+    route's history splits per (row, kv head) (default: from the GPU's SM count, `attention_tc._splits`)."""
     check_codes_only(view, "the Triton decode kernel")
-    if not supports(view, query, mask):
+    took = supports(view, query, mask)
+    if took is None:
         if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
                 "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
@@ -330,6 +312,15 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
                 "does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
+    if route is not None:
+        if route not in ROUTES:
+            raise ValueError(f"route={route!r}: choose one of {', '.join(ROUTES)}")
+        if route == "tensor_cores" and took != route:
+            why = attention_tc.fast_route_reason(view, query)
+            raise ValueError(f"the tensor-core route cannot take this view: {why}")
+        took = route
+    if took == "tensor_cores":
+        return _tensor_cores(view, query, mask, scaling, splits)
     B, Hq, _, D = query.shape
     N, dev = view.N, query.device
     ks, vs = view.keys, view.values
@@ -395,6 +386,21 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         enable_fp_fusion=False,  # the reference's roundings: dequantization and rotation without fma
     )  # fmt: skip
     if C > 1:
-        _combine_kernel[(B * Hkv,)](part, out, out.stride(0), out.stride(1), Hkv, R, C, D=D, RP=RP)
+        combine_kernel[(B * Hkv,)](part, out, out.stride(0), out.stride(1), Hkv, R, C, D=D, RP=RP)
     out = out.view(B, 1, Hq, D)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _tensor_cores(view: DecodeView, query: torch.Tensor, mask, scaling: float, splits: int | None):
+    """The tensor-core route (`attention_tc`): its kernel's partials merged by `combine_kernel`."""
+    B, Hq, _, D = query.shape
+    dev = query.device
+    Hkv = view.keys.sink.shape[1]
+    f32 = const("triton-f32", dev, lambda: torch.zeros(1, dtype=torch.float32))
+    i64 = const("triton-i64", dev, lambda: torch.zeros(1, dtype=torch.int64))
+    add = _additive_mask(mask, B, view.N) if mask is not None else f32
+    pads = view.pads if view.pads is not None else i64
+    part, C, BH = attention_tc.launch(view, query, add, pads, scaling, _sm_count(dev), f32, i64, splits)
+    out = torch.empty(B, Hq, D, dtype=torch.float32, device=dev)
+    combine_kernel[(B * Hkv,)](part, out, out.stride(0), out.stride(1), Hkv, Hq // Hkv, C, D=D, RP=BH)
+    return out.view(B, 1, Hq, D).to(query.dtype)

@@ -61,3 +61,53 @@ def code_values(c, t_ptr, ok, HAS_TABLE: tl.constexpr):
     if HAS_TABLE:
         return tl.load(t_ptr + c, mask=ok[:, None], other=0.0)
     return c.to(tl.float32)
+
+
+@triton.jit
+def deq_rows(
+    p_ptr, spr, s_ptr, z_ptr, sqt, t_ptr, i, ok, d,
+    G: tl.constexpr, BITS: tl.constexpr, NB: tl.constexpr, M: tl.constexpr, BLK: tl.constexpr,
+    AXIS_TOKEN: tl.constexpr, HAS_TABLE: tl.constexpr, HAS_ZERO: tl.constexpr,
+):  # fmt: skip
+    """Dequantized rows [len(i), len(d)] (fp32) of storage positions i, channels d: table[code] * scale (+ zero);
+    zero where not ok."""
+    c = code_values(load_codes(p_ptr, i, ok, spr, d, BITS, NB, M, BLK), t_ptr, ok, HAS_TABLE)
+    if AXIS_TOKEN:
+        q_off = i[:, None] * sqt + (d // G)[None, :]
+    else:
+        q_off = (i // G)[:, None] * sqt + d[None, :]
+    s = tl.load(s_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
+    out = c * s
+    if HAS_ZERO:
+        out = out + tl.load(z_ptr + q_off, mask=ok[:, None], other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def fp_rows(ptr, st, idx, ok, d):
+    """Rows [len(idx), len(d)] (fp32) idx of an exact buffer (row stride st) in the model's dtype; zero where not ok."""
+    return tl.load(ptr + idx[:, None] * st + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def combine_kernel(part_ptr, o_ptr, sob, soh, Hkv, R, C, D: tl.constexpr, RP: tl.constexpr):
+    """The C chunks' partials of one (batch row, kv head) -> its R query heads' outputs (flash-decoding's merge)."""
+    bh = tl.program_id(0)
+    b, hk = bh // Hkv, bh % Hkv
+    r = tl.arange(0, RP)
+    rok = r < R
+    d = tl.arange(0, D)
+    base = part_ptr + bh * C * RP * (D + 2) + r * (D + 2)
+    mx = tl.full((RP,), float("-inf"), tl.float32)
+    for c in range(C):
+        mx = tl.maximum(mx, tl.load(base + c * RP * (D + 2), mask=rok, other=float("-inf")))
+    shift = tl.where(mx == float("-inf"), 0.0, mx)
+    total = tl.zeros((RP,), tl.float32)
+    out = tl.zeros((RP, D), tl.float32)
+    for c in range(C):
+        pc = base + c * RP * (D + 2)
+        f = tl.exp(tl.load(pc, mask=rok, other=float("-inf")) - shift)  # a chunk with nothing attended: 0
+        total += f * tl.load(pc + 1, mask=rok, other=0.0)
+        out += f[:, None] * tl.load(pc[:, None] + 2 + d[None, :], mask=rok[:, None], other=0.0)
+    out = out / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_ptr + b * sob + (hk * R + r)[:, None] * soh + d[None, :], out, mask=rok[:, None])
