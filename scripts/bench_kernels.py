@@ -6,12 +6,18 @@
 
 1. quantize+pack throughput (GB/s of fp16 input read) vs a device-to-device copy of the same tensor, per bits
    and axis, at 4K-64K tokens. The copy is the memory-bandwidth ceiling a streaming kernel can approach.
-2. fused decode attention over packed K/V (2-bit K per-channel, V per-token, G=32, R=128 fp window, 4 sinks) vs
-   PyTorch SDPA on fp16 K/V of the same length (GQA 32 query heads / 8 kv heads, D=128), at 4K-64K tokens, in the
-   fast path's configurations (`ATTN_CASES`): rope=post and rope=pre (keys rotated in the kernel), batch 8, and
-   left-padded batches of 4 (SDPA with the padding mask): latency and the bytes each reads.
+2. fused decode attention over packed K/V (2-bit K per-channel, V per-token, G=32, R=128 fp window, 4 sinks), fp16
+   model, GQA 32 query heads / 8 kv heads, D=128, at 4K-64K tokens, in the cache's configurations (`ATTN_CASES`):
+   rope=post and rope=pre (keys rotated in the kernel: the general route), batch 8, and left-padded batches of 4.
+   Each route the configuration can take (`tensor_cores`, `general`) is timed as the cache calls it
+   (`decode_attention`, launches and allocations included), eagerly and replayed from a CUDA graph, against the
+   fastest fp16 attention this machine has on un-expanded K/V: PyTorch SDPA with GQA under each backend that
+   accepts it (flash, efficient, math) and flash-attn's `flash_attn_with_kvcache` where installed; the row names the
+   one that won. Per row: bytes read, GB/s, and the fraction of the device copy's bandwidth (a 512 MiB copy,
+   read + write counted, measured first).
+3. `--sweep`: the tensor-core route's launch options (warps x pipeline stages) at 32K tokens, batch 1 and 8.
 
-Timings: CUDA events, median of repeats after warm-up. Prints a table and saves `quantize_pack.png`,
+Timings: CUDA events, median of repeats after warm-up. Prints tables and saves `quantize_pack.png`,
 `decode_attention.png` and `results.json` under --out.
 """
 
@@ -23,6 +29,8 @@ import statistics
 from pathlib import Path
 
 import torch
+
+from kvq_lab.quant.spec import QuantSpec
 
 
 def cuda_time(fn, warmup=5, repeats=30) -> float:
@@ -43,7 +51,6 @@ def cuda_time(fn, warmup=5, repeats=30) -> float:
 
 def bench_quantize(lengths, H=8, D=128):
     from kvq_lab.kernels import triton as tk
-    from kvq_lab.quant.spec import QuantSpec
 
     rows = []
     for T in lengths:
@@ -96,12 +103,63 @@ ATTN_CASES = [("post", "post", 1, False), ("pre", "pre", 1, False), ("post-b8", 
 DEV = "cuda"  # the benchmark's device (a CPU smoke run under TRITON_INTERPRET sets "cpu")
 
 
-def bench_attention(lengths, cases, Hq=32, Hkv=8, D=128):
+def copy_bandwidth(nbytes=512 << 20) -> float:
+    """GB/s of a device-to-device copy of nbytes (read + write counted): the bandwidth ceiling rows are measured
+    against."""
+    x = torch.empty(nbytes // 2, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    return 2 * nbytes / cuda_time(lambda: y.copy_(x)) / 1e6
+
+
+def graphed(fn):
+    """fn replayed from a CUDA graph (captured after a warm-up on a side stream): launch overhead removed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def fp16_baselines(q, k, v, mask):
+    """{name: fn} of the fp16 attentions that accept un-expanded GQA K/V here."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    out = {}
+    backends = (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION),
+                ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-math", SDPBackend.MATH))  # fmt: skip
+    for name, backend in backends:
+
+        def fn(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+        try:
+            fn()
+            torch.cuda.synchronize()
+            out[name] = fn
+        except RuntimeError:
+            pass
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    if flash_attn_with_kvcache is not None and mask is None:
+        qt, kt, vt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        out["flash_attn_with_kvcache"] = lambda: flash_attn_with_kvcache(qt, kt, vt)
+    return out
+
+
+def bench_attention(lengths, cases, copy_gbs, Hq=32, Hkv=8, D=128, dtype=torch.float16):
     from kvq_lab.cache import CacheConfig
     from kvq_lab.cache.base import PaddingState
     from kvq_lab.cache.packed import PackedLayer
     from kvq_lab.kernels import triton as tk
-    from kvq_lab.quant.spec import QuantSpec
 
     rope_helper = rotary(D, DEV)
     rows = []
@@ -111,7 +169,7 @@ def bench_attention(lengths, cases, Hq=32, Hkv=8, D=128):
             sink_tokens=4, backend="triton", rope=rope,
         )  # fmt: skip
         for T in lengths:
-            k = torch.randn(B, Hkv, T, D, device=DEV, dtype=torch.float16)
+            k = torch.randn(B, Hkv, T, D, device=DEV, dtype=dtype)
             v = torch.randn_like(k)
             padding = PaddingState()
             pads = torch.tensor([b * T // (2 * B) for b in range(B)] if padded else [0] * B, device=DEV)
@@ -121,27 +179,70 @@ def bench_attention(lengths, cases, Hq=32, Hkv=8, D=128):
             ids = (real.long().cumsum(1) - 1).clamp(min=0)
             layer = PackedLayer(cfg, rope_helper, padding)
             layer.update(k, v, position_ids=ids)
-            q = torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.float16)
+            q = torch.randn(B, Hq, 1, D, device=DEV, dtype=dtype)
             view = layer.decode_view()
             assert (view.rope is not None) == (rope == "pre") and (view.pads is not None) == padded, label
             mask = real[:, None, None, :] if padded else None
-            assert tk.supports(view, q, mask), label  # the kernel, not its PyTorch fallback
-            ms_ours = cuda_time(lambda view=view, q=q, mask=mask: tk.decode_attention(view, q, mask, D**-0.5))
-            ms_sdpa = cuda_time(
-                lambda q=q, k=k, v=v, mask=mask: torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, enable_gqa=True
-                )
-            )
+            route = tk.supports(view, q, mask)
+            assert route, label  # the kernel, not its PyTorch fallback
             stored, fp16 = layer.nbytes()
-            rows.append(dict(case=label, rope=rope, padded=padded, B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, ours_ms=ms_ours,
-                             sdpa_ms=ms_sdpa, ours_bytes=stored, fp16_bytes=fp16,
-                             ours_gbs=stored / ms_ours / 1e6, sdpa_gbs=fp16 / ms_sdpa / 1e6))  # fmt: skip
+            base = {}
+            for name, fn in fp16_baselines(q, k, v, mask).items():
+                base[name] = cuda_time(fn)
+            best = min(base, key=base.get)
+            row = dict(case=label, rope=rope, padded=padded, B=B, T=T, Hq=Hq, Hkv=Hkv, D=D, ours_bytes=stored,
+                       fp16_bytes=fp16, baseline=best, baseline_ms=base[best], baselines=base, route=route,
+                       copy_gbs=copy_gbs)  # fmt: skip
+            for r in ("tensor_cores", "general") if route == "tensor_cores" else ("general",):
+                call = lambda view=view, q=q, mask=mask, r=r: tk.decode_attention(view, q, mask, D**-0.5, route=r)
+                eager = cuda_time(call)
+                graph = cuda_time(graphed(call))
+                row[r] = dict(ms=eager, graph_ms=graph, gbs=stored / eager / 1e6, graph_gbs=stored / graph / 1e6,
+                              speedup=base[best] / eager, graph_speedup=base[best] / graph)  # fmt: skip
+            rows.append(row)
+            fast = row[route]
             print(
-                f"decode attention {label:14s} T={T:6d}: ours {ms_ours:.3f} ms ({stored / 2**20:.1f} MiB) | "
-                f"SDPA fp16 {ms_sdpa:.3f} ms ({fp16 / 2**20:.1f} MiB) | {ms_sdpa / ms_ours:.2f}x"
+                f"decode attention {label:14s} B={B} T={T:6d}: {route} {fast['ms']:.3f} ms "
+                f"(graph {fast['graph_ms']:.3f}), {stored / 2**20:.1f} MiB at {fast['graph_gbs']:.0f} GB/s = "
+                f"{fast['graph_gbs'] / copy_gbs:.2f} of copy | "
+                f"{best} {base[best]:.3f} ms ({fp16 / 2**20:.1f} MiB) | {fast['speedup']:.2f}x eager, "
+                f"{fast['graph_speedup']:.2f}x graphed"
+                + (f" | general {row['general']['ms']:.3f} ms" if route != "general" else "")
             )
             del layer, view, k, v
             torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(T=32768, batches=(1, 8), Hq=32, Hkv=8, D=128):
+    """The tensor-core route's launch options at T tokens: ms per (warps, stages), eager, KIVI-2 fp16."""
+    from kvq_lab.cache import CacheConfig
+    from kvq_lab.cache.base import PaddingState
+    from kvq_lab.cache.packed import PackedLayer
+    from kvq_lab.kernels import triton as tk
+    from kvq_lab.kernels.triton import attention_tc
+
+    cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
+                      residual_length=128, sink_tokens=4, backend="triton")  # fmt: skip
+    rows, default = [], (attention_tc.NUM_WARPS, attention_tc.NUM_STAGES)
+    for B in batches:
+        layer = PackedLayer(cfg, None, PaddingState())
+        layer.update(*(torch.randn(B, Hkv, T, D, device=DEV, dtype=torch.float16) for _ in "kv"))
+        view, q = layer.decode_view(), torch.randn(B, Hq, 1, D, device=DEV, dtype=torch.float16)
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3, 4):
+                attention_tc.NUM_WARPS, attention_tc.NUM_STAGES = warps, stages
+                try:
+                    ms = cuda_time(lambda v=view, q=q: tk.decode_attention(v, q, None, D**-0.5, route="tensor_cores"))
+                except Exception as e:  # out of shared memory or registers for this combination
+                    ms, err = None, f"{type(e).__name__}: {str(e)[:80]}"
+                else:
+                    err = None
+                rows.append(dict(B=B, T=T, warps=warps, stages=stages, ms=ms, error=err))
+                print(f"sweep B={B} T={T} warps={warps} stages={stages}: " + (f"{ms:.3f} ms" if ms else err))
+        del layer, view
+        torch.cuda.empty_cache()
+    attention_tc.NUM_WARPS, attention_tc.NUM_STAGES = default
     return rows
 
 
@@ -166,9 +267,10 @@ def plot(q_rows, a_rows, out: Path):
     fig, ax = plt.subplots(figsize=(6, 4))
     for case in dict.fromkeys(r["case"] for r in a_rows):
         rs = [r for r in a_rows if r["case"] == case]
-        line = ax.plot([r["T"] for r in rs], [r["ours_ms"] for r in rs], marker="o", label=f"packed 2b, {case}")
-        ax.plot([r["T"] for r in rs], [r["sdpa_ms"] for r in rs], "--", marker="x", color=line[0].get_color(),
-                label=f"SDPA fp16, {case}")  # fmt: skip
+        ms = [r[r["route"]]["graph_ms"] for r in rs]
+        line = ax.plot([r["T"] for r in rs], ms, marker="o", label=f"packed 2b, {case} ({rs[0]['route']})")
+        ax.plot([r["T"] for r in rs], [r["baseline_ms"] for r in rs], "--", marker="x", color=line[0].get_color(),
+                label=f"fp16 {rs[0]['baseline']}, {case}")  # fmt: skip
     ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title="decode attention (GQA 32/8, D=128)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -182,7 +284,10 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="default 4096 8192 16384 32768 65536")
     ap.add_argument("--cases", nargs="+", default=None, choices=[c[0] for c in ATTN_CASES],
                     help="decode attention cases (default: all)")  # fmt: skip
+    ap.add_argument("--sweep", action="store_true", help="also time the tensor-core route's warps x stages at 32K")
     args = ap.parse_args(argv)
+    if any(n < 1 for n in args.lengths or []):
+        raise SystemExit(f"bench_kernels.py: --lengths {args.lengths}: every length must be at least 1 token")
     if not torch.cuda.is_available():
         raise SystemExit(
             "bench_kernels.py needs a CUDA GPU (the kernels are tested on CPU by tests/kernels/test_triton.py)"
@@ -192,11 +297,15 @@ def main(argv=None):
     import triton
 
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    copy_gbs = copy_bandwidth()
+    print(f"device copy (512 MiB, read + write): {copy_gbs:.0f} GB/s")
     q_rows = bench_quantize(lengths)
-    a_rows = bench_attention(lengths, cases)
+    a_rows = bench_attention(lengths, cases, copy_gbs)
+    s_rows = sweep() if args.sweep else []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"quantize_pack": q_rows, "decode_attention": a_rows}, indent=1))
+    results = {"copy_gbs": copy_gbs, "quantize_pack": q_rows, "decode_attention": a_rows, "sweep": s_rows}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(q_rows, a_rows, out)
     print(f"wrote {out}/results.json, quantize_pack.png, decode_attention.png")
 

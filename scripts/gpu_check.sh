@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the Triton kernels and the packed cache on CUDA, for a machine with a GPU but no network and no model
-# weights. About 5-8 minutes on an H200 (each step has a time limit, 515 s in all); results go to experiments/kernels/.
+# weights. About 5-8 minutes on an H100 or H200 (each step has a time limit, 545 s in all); results go to
+# experiments/kernels/.
 #
 #   1. on the development machine (no GPU needed; copies ~17 MB into the git-ignored .gpu_carry/):
 #          bash scripts/gpu_check.sh prepare
@@ -11,16 +12,16 @@
 #
 # On the GPU machine it writes six files into the folder given as $1 (or $OUT):
 #   log.txt              versions, GPU, the carried commit, every step's output and exit status
-#   results.json         scripts/bench_kernels.py: quantize+pack vs a copy; fused decode attention vs fp16 SDPA at
-#   quantize_pack.png      4K-32K tokens for rope=post, rope=pre, batch 8 and left-padded batches of 4
-#   decode_attention.png
-#   cache_speed.json     scripts/bench_cache.py --device cuda --only "ours packed": DynamicCache vs our packed cache
-#   cache_speed.md         (auto = Triton: rope=post / pre, fp8; backend=torch) in fp32, bf16 and a padded batch of 4
+#   results.json         scripts/bench_kernels.py: quantize+pack vs a copy; fused decode attention (each route, eager
+#   quantize_pack.png      and graphed) vs the fastest fp16 attention at 4K-32K tokens for rope=post, rope=pre,
+#   decode_attention.png   batch 8 and left-padded batches of 4; the tensor-core route's warps x stages sweep
+#   throughput.json      scripts/bench_throughput.py --device cuda: sequences and aggregate tok/s in 8 GiB, packed
+#   throughput.md          2-bit (Triton) vs DynamicCache, fp16, 8K and 32K tokens
 # Step 1 of the GPU run is pytest of tests/kernels/test_triton.py (the kernels compiled for CUDA, no interpreter) and
 # tests/kernels/test_cpu_kernel_configs.py (the C kernel, on that machine's CPU), output in log.txt.
 #
 # What cannot travel, and what stands in for it: the GPU machine has no network and takes 64 MiB of files, so the
-# SmolLM2-135M weights (94 MB GGUF, 517 MB converted) stay here. bench_cache runs a model of SmolLM2-135M's exact
+# SmolLM2-135M weights (94 MB GGUF, 517 MB converted) stay here. bench_throughput runs a model of SmolLM2-135M's exact
 # architecture (its config.json and tokenizer, carried) with random weights: the same shapes, bytes and kernels, so
 # the same speed; greedy tokens of random weights say nothing about quality ("same greedy tokens" lines: ignore).
 # The machine's Python has torch, triton and transformers but not this repo's pinned transformers (5.24): its wheel
@@ -98,10 +99,12 @@ $PY -c "import xdist" 2>/dev/null && xdist=(-n 8)
 step pytest 180 $PY -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/kernels/test_triton.py tests/kernels/test_cpu_kernel_configs.py \
     -k "not bench_cache_json" -rfE
 
-# 2. kernel microbenchmarks: quantize+pack vs a copy, fused decode attention vs fp16 SDPA, 4K-32K tokens
-step bench_kernels 120 $PY scripts/bench_kernels.py --out "$OUT" --lengths 4096 8192 16384 32768
+# 2. kernel microbenchmarks: quantize+pack vs a copy; fused decode attention on each route vs the fastest fp16
+#    attention (eager and CUDA graphs, GB/s and the copy's fraction), 4K-32K tokens; the tensor-core launch sweep
+step bench_kernels 170 $PY scripts/bench_kernels.py --out "$OUT" --lengths 4096 8192 16384 32768 --sweep
 
-# 3. whole-model decode: SmolLM2-135M's architecture with random weights (see the header)
+# 3. whole-model decode at equal cache memory: SmolLM2-135M's architecture with random weights (see the header),
+#    positions widened to 40960 so that 32K-token contexts fit; packed 2-bit K-C/V-T (Triton) vs DynamicCache, fp16
 MODEL=/tmp/$MODEL_NAME-arch
 step model 45 $PY -c "
 import shutil, torch
@@ -109,15 +112,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 shutil.copytree('$CARRY/model', '$MODEL', dirs_exist_ok=True)
 torch.manual_seed(0)
 cfg = AutoConfig.from_pretrained('$MODEL')
+cfg.max_position_embeddings = 40960
 AutoModelForCausalLM.from_config(cfg).save_pretrained('$MODEL')
 print('random-weight', cfg.model_type, cfg.num_hidden_layers, 'layers at $MODEL')"
-step bench_cache 170 bash -c "set -o pipefail; $PY scripts/bench_cache.py --device cuda --model $MODEL \
-    --only 'ours packed' --repeats 2 --new-tokens 32 --warmup 6 --json '$OUT/cache_speed.json' | tee '$OUT/cache_speed.md'"
+step bench_throughput 150 bash -c "set -o pipefail; $PY scripts/bench_throughput.py --device cuda --model $MODEL \
+    --dtypes fp16 --budget 8GiB --lengths 8192 32768 --only 'packed 2b K-C V-T G32 R128 (' --new-tokens 16 --warmup 3 \
+    --repeats 2 --json '$OUT/throughput.json' | tee '$OUT/throughput.md'"
 
 echo
 echo "=== summary after $((SECONDS - START))s ==="
 fail=0
-for name in pytest bench_kernels model bench_cache; do
+for name in pytest bench_kernels model bench_throughput; do
     echo "$name: exit ${RC[$name]:-not run}"
     [[ "${RC[$name]:-1}" == 0 ]] || fail=1
 done
