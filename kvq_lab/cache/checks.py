@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import DEFAULT_FORMAT
@@ -40,6 +41,21 @@ def check_device(device, cache: CacheConfig) -> None:
         if err is not None:
             raise ConfigError(f"backend=cpu: {err.splitlines()[0]}")
     check_backend_formats(cache)
+
+
+def check_dtype(dtype, device, cache: CacheConfig) -> CacheConfig:
+    """`model.dtype=float64` is the reference for checking the cache's semantics (no rounding difference large enough
+    to flip a code): on the CPU, on the PyTorch path. Refused on CUDA and with the C or Triton kernels (they read fp32,
+    fp16 and bf16); `backend=auto` picks torch for it. -> the cache, with that backend."""
+    if dtype != "float64":
+        return cache
+    if str(device).startswith("cuda"):
+        raise ConfigError("model.dtype=float64 is the CPU reference for checking; use device=cpu (or float32 on CUDA)")
+    if cache.mode != "simulated" and cache.backend in ("cpu", "triton"):
+        raise ConfigError(
+            f"model.dtype=float64: backend={cache.backend} reads fp32, fp16 or bf16 models only; use backend=torch"
+        )
+    return replace(cache, backend="torch") if cache.backend == "auto" else cache
 
 
 def check_backend_formats(cache: CacheConfig) -> None:

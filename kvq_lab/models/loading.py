@@ -108,7 +108,7 @@ EMBEDDED = {
         "google/gemma-3-270m",
     ),
 }
-DTYPES = ("float32", "float16", "bfloat16")  # names of torch dtypes (torch is imported only to load)
+DTYPES = ("float32", "float16", "bfloat16", "float64")  # torch dtypes (imported only to load); float64: CPU reference
 
 
 def cache_kwarg() -> str:

@@ -23,6 +23,7 @@ from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
 from kvq_lab.cache.knobs import cache_config as cache_from_knobs
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.section import Section
+from kvq_lab.models.noise import NOISE_HELP, parse_noise
 from kvq_lab.run.checks import LOGGER_KEYS, WANDB_MODES, check_keys, check_paths, data_dir
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "RunSchema", "build", "cache_config", "config_hash", "validate"]
@@ -35,10 +36,19 @@ class RunSchema(CacheKnobs):
 
     limit: Any = knob(None, "evaluate only the first N documents of the task")
     seed: Any = knob(0, "seed of every random generator")
-    batch_size: Any = knob(1, "prompts per batch (left-padded; padding never enters a group)")
-    prefix_reuse: Any = knob(
-        True, "lm-eval tasks: prompts sharing a prefix (CoQA's turns of one story) reuse its cache, at any batch_size"
+    batch_size: Any = knob(
+        1,
+        "prompts per batch (left-padded; padding never enters a group). The same numbers computed in another order: at "
+        "4 bits or fewer per element per-turn answers change with it in float32 (a last-bit difference flips a code), "
+        "so only aggregates compare across batch sizes (`noise`)",
     )
+    prefix_reuse: Any = knob(
+        True,
+        "lm-eval tasks: prompts sharing a prefix (CoQA's turns of one story) reuse its cache, at any batch_size. Cut "
+        "where the cache sees no difference, computed in other GEMM shapes: at 4 bits or fewer per element per-turn "
+        "answers change with it in float32, so only aggregates compare with and without it (`noise`)",
+    )
+    noise: Any = knob("none", NOISE_HELP)
     probe: Any = knob(False, "also log reconstruction / attention-score / attention-output error per layer and head")
     probes: Any = knob(None, "settings of `probe=true` (prompts, lengths, figures), see conf/config.yaml", factory=dict)
     device: Any = knob("cpu", "`cpu`, `cuda` or `cuda:<index>`")
@@ -57,7 +67,8 @@ class RunSchema(CacheKnobs):
     experiment_name: Any = knob(None, "the study a run belongs to (`experiment=<name>` sets it)")
     model: Any = knob(
         None,
-        "`conf/model/`: `smollm2-135m`, `gemma3-270m`, or `model=hub model.path=<hub id or folder>`",
+        "`conf/model/`: `smollm2-135m`, `gemma3-270m`, or `model=hub model.path=<hub id or folder>`; `model.dtype`: "
+        "`float32` (default), `float16`, `bfloat16`, or `float64` (the CPU reference for checking, PyTorch path)",
         factory=dict,
     )
     task: Any = knob(None, "`conf/task/`: `coqa_turns` (default), see the task table", factory=dict)
@@ -114,6 +125,7 @@ class RunConfig:
     seed: int
     batch_size: int
     prefix_reuse: bool
+    noise: str
     probe: bool
     device: str
     data_dir: Path | None
@@ -169,7 +181,7 @@ def cache_config(cfg) -> CacheConfig:
 def build(cfg) -> RunConfig:
     """Hydra's config (or a plain mapping of it) -> the validated `RunConfig`; no model is loaded. Raises
     ConfigError (one line, with the fix)."""
-    from kvq_lab.cache.checks import check_device
+    from kvq_lab.cache.checks import check_device, check_dtype
     from kvq_lab.fit import calibration_settings, checks, precision_settings
     from kvq_lab.models.loading import check_source
     from kvq_lab.plugins import TASKS
@@ -182,6 +194,7 @@ def build(cfg) -> RunConfig:
         c[s] = c.get(s) or {}
     cache = cache_config(c)
     check_device(c.get("device"), cache)
+    cache = check_dtype(c["model"].get("dtype"), c.get("device"), cache)  # float64: the CPU reference, PyTorch path
     precision_settings.check(c["precision"], cache)  # settings, a budget the smallest choice meets, a K/V mode
     task_name = c["task"].get("name")
     ddir = data_dir(c)
@@ -189,6 +202,7 @@ def build(cfg) -> RunConfig:
     limit = _int(c, "limit", lo=1, allow_none=True)
     seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
     flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
+    noise = parse_noise(c.get("noise"))
     results_dir = check_paths(c)
     logger = c["logger"].get("name")
     if logger not in LOGGER_KEYS:
@@ -228,6 +242,7 @@ def build(cfg) -> RunConfig:
         limit=limit,
         seed=seed,
         batch_size=batch_size,
+        noise=noise,
         **flags,
         device=c["device"],
         data_dir=ddir,
@@ -318,6 +333,9 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
     precision = precision_settings.hash_part(c.get("precision"))  # per-layer bits by content; uniform: left out
     for k in (*WHERE, *CACHE_KNOBS, "precision"):
         c.pop(k, None)
+    noise = parse_noise(c.pop("noise", None))  # added after records existed: hashed only when a rerun is perturbed
+    if noise != "none":
+        c["noise"] = noise
     if precision is not None:
         c["precision"] = precision
     fitted_out = asdict(cache.unfitted()).items()

@@ -44,13 +44,15 @@ log = logging.getLogger("kvq_lab")
 _MODELS: dict[tuple, tuple] = {}
 
 
-def get_model(name: str, dtype: str, device: str):
+def get_model(name: str, dtype: str, device: str, noise: str = "none"):
     from kvq_lab.models.loading import load_model
+    from kvq_lab.models.noise import apply_noise
 
-    key = (name, dtype, device)
+    key = (name, dtype, device, noise)
     if key not in _MODELS:
         _MODELS.clear()  # one model in memory at a time
-        _MODELS[key] = load_model(name, dtype=dtype, device=device)
+        model, tok = load_model(name, dtype=dtype, device=device)
+        _MODELS[key] = apply_noise(model, noise), tok  # noise=permute:<seed>: the same model, other rounding
     return _MODELS[key]
 
 
@@ -80,7 +82,8 @@ def cache_bits(cache) -> dict[str, float]:
 def run_name(plan: RunPlan) -> str:
     if plan.cfg.run_name:
         return str(plan.cfg.run_name)
-    return f"{plan.task}_{plan.cache.label()}_{plan.config_hash[:6]}"
+    noise = "" if plan.cfg.noise == "none" else f"_noise-{plan.cfg.noise.replace(':', '')}"  # a rerun says so
+    return f"{plan.task}_{plan.cache.label()}{noise}_{plan.config_hash[:6]}"
 
 
 def seed_everything(seed: int) -> None:
@@ -270,7 +273,7 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
     try:
         seed_everything(cfg.seed)
         with timer("model_load_s"):
-            model, tok = get_model(cfg.model_source, cfg.dtype, cfg.device)
+            model, tok = get_model(cfg.model_source, cfg.dtype, cfg.device, cfg.noise)
         with timer("calibration_s"):  # fitted methods (nuq, outliers, innerq, rotatekv): one config per layer
             from kvq_lab.fit.calibration import calibrate
 
