@@ -7,7 +7,7 @@ ARGS ?=
 # (test_run, test_faults, test_cache_tasks), the Triton interpreter and GPU compile, and the C kernel's build matrix
 CHECK := -m "not slow" \
 	--ignore=tests/run/test_run.py --ignore=tests/run/test_faults.py --ignore=tests/tasks/test_cache_tasks.py \
-	--ignore=tests/kernels/test_triton.py --ignore=tests/kernels/test_triton_compile.py \
+	--ignore=tests/kernels/test_triton.py --ignore=tests/kernels/test_triton_compile.py --ignore=tests/kernels/test_bench_kernels.py \
 	--ignore=tests/kernels/test_cpu_kernel.py
 
 .PHONY: setup run test check lint test-slurm
