@@ -215,8 +215,12 @@ def report(configs=CONFIGS, routes=("tensor_cores", "general")) -> list[dict]:
 def markdown(rows: list[dict]) -> str:
     import triton
 
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvq_lab/kernels"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()  # fmt: skip
     head = (
-        f"Compiled for sm_90a (Hopper) by triton {triton.__version__}, read with the wheel's ptxas and cuobjdump "
+        f"Compiled for sm_90a (Hopper) by triton {triton.__version__} from commit {commit.strip() or 'unknown'}"
+        f"{' (kernels edited since)' if dirty else ''}, read with the wheel's ptxas and cuobjdump "
         "(`python scripts/kernel_report.py`). Per kernel: registers per thread, spilled bytes, shared memory, SASS "
         "instructions, tensor-core MMAs (HMMA), int-to-float conversions (I2F: all / inside loops), float "
         "conversions (F2F, F2FP), global loads (LDG and async LDGSTS; those 128 bits wide); main loop: the history "
