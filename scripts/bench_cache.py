@@ -61,6 +61,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, QuantizedCache
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import Parser, at_least, fail, within_model  # noqa: E402  (the scripts' one-line argument errors)
+
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.backends import get_backend
 from kvq_lab.models.loading import cache_kwarg, load_model
@@ -336,7 +339,7 @@ def run_alternating(model, rows: list[Row], ids, mask, new_tokens: int, warmup: 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run the benchmark, print its tables, write `--json`; returns the JSON rows."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt lengths (default 512 4096 8192)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 256 tokens, 1 repeat, 12 new tokens")
@@ -358,13 +361,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     new_tokens = args.new_tokens if args.new_tokens is not None else 12 if quick else 40
     warmup = args.warmup if args.warmup is not None else 2 if quick else 8
     repeats = args.repeats if args.repeats is not None else 1 if quick else 3
+    # before the model loads, one line each (exit status 2): counts, cache settings, lengths within the model
+    at_least(args, new_tokens=2, warmup=0, repeats=1, threads=1, bits=1, group_size=1, residual=0, recompute_rank=1)
     if warmup >= new_tokens:
-        raise SystemExit(f"--warmup {warmup} leaves no timed step of --new-tokens {new_tokens}: lower --warmup")
+        fail(f"--warmup {warmup} leaves no timed step of --new-tokens {new_tokens}: lower --warmup")
+    within_model(args.model, lengths, new_tokens)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
+        fail(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
     rows_out: list[dict] = []
     dev = args.device
     where = torch.cuda.get_device_name(dev) if dev.startswith("cuda") else platform.processor() or platform.machine()

@@ -57,7 +57,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Qua
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cache import TEXT, batch_prompt, cache_bytes, clock  # noqa: E402  (the sibling benchmark's helpers)
-from cli_args import Parser, fail  # noqa: E402
+from cli_args import Parser, at_least, fail, within_model  # noqa: E402
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
 from kvq_lab.cache.backends import get_backend  # noqa: E402
@@ -84,30 +84,11 @@ def check_args(args) -> None:
     """Every argument the run depends on, before the model loads (one line, exit status 2 on the first bad one):
     counts that must be positive, and the lengths against the positions the model has (its files, read without
     loading: a context of L tokens and N decode steps feed L + N - 1 positions)."""
-    from kvq_lab.common.errors import ConfigError
-    from kvq_lab.fit.checks import model_facts
-    from kvq_lab.models.loading import check_source
-
-    for name, least in (("repeats", 1), ("max_batch", 1), ("threads", 1), ("new_tokens", 2), ("warmup", 0)):
-        v = getattr(args, name)
-        if v is not None and v < least:
-            fail(f"--{name.replace('_', '-')} {v}: must be at least {least}")
+    at_least(args, repeats=1, max_batch=1, threads=1, new_tokens=2, warmup=0)
     if args.warmup >= args.new_tokens - 1:
         fail(f"--warmup {args.warmup} leaves no timed step of --new-tokens {args.new_tokens}: lower --warmup")
-    short = [n for n in args.lengths if n < 2]
-    if short:
-        fail(f"--lengths {short[0]}: a context holds at least 2 tokens (one prefilled, one that starts the decode)")
-    try:
-        check_source({"path": args.model})
-        facts = model_facts(args.model)
-    except ConfigError as e:
-        fail(str(e).splitlines()[0].replace("model.path=", "--model "))
-    if facts is not None and facts.context:
-        most = facts.context - args.new_tokens + 1
-        long = [n for n in args.lengths if n > most]
-        if long:
-            fail(f"--lengths {long[0]}: {args.model} has {facts.context} positions and {args.new_tokens} decode steps "
-                 f"follow the context; use lengths up to {most} (or fewer --new-tokens)")  # fmt: skip
+    # 2 tokens at least: L - 1 prefilled into the cache, the last one starts the decode
+    within_model(args.model, args.lengths, args.new_tokens, shortest=2)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """scripts/bench_throughput.py on a tiny model: the batch each cache fits in the budget, its bytes measured again,
-batched decoding generating what one sequence generates through the same cache, and the JSON rows."""
+batched decoding generating what one sequence generates through the same cache, and the JSON rows; it and
+scripts/bench_cache.py refuse bad arguments in one line before the model loads."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_full_prefill_runs_mixed_length_prompts_through_generate(tiny_model_dir,
     [
         (["--budget", "0"], "--budget '0' holds no byte"),  # silently 2 GiB before
         (["--budget", "0.1b"], "--budget '0.1b' holds no byte"),
-        (["--lengths", "0"], "--lengths 0: a context holds at least 2 tokens"),  # a traceback after the load before
+        (["--lengths", "0"], "--lengths 0: a context holds at least 2 token(s)"),  # the issue's case
+        (["--lengths", "1"], "--lengths 1: a context holds at least 2 token(s)"),  # a traceback after the load before
         (["--lengths", "64", "100000"], "--lengths 100000: "),  # grew to 2.2 GB before
         (["--lengths", "506"], "--lengths 506: "),  # 506 + 8 - 1 positions: one too many
         (["--repeats", "0"], "--repeats 0: must be at least 1"),
@@ -97,3 +99,26 @@ def test_the_longest_context_the_model_holds_passes_the_checks(monkeypatch, tmp_
     monkeypatch.setattr(b, "load_model", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("reached the load")))
     with pytest.raises(RuntimeError, match="reached the load"):
         b.main(["--model", str(tmp_path), "--lengths", "505", "--new-tokens", "8", "--warmup", "1"])
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--lengths", "0"], "--lengths 0: a context holds at least 1 token"),
+        (["--lengths", "506"], "--lengths 506: "),  # 506 + 8 - 1 positions of 512
+        (["--repeats", "0"], "--repeats 0: must be at least 1"),
+        (["--group-size", "0"], "--group-size 0: must be at least 1"),
+        (["--new-tokens", "4", "--warmup", "4"], "--warmup 4 leaves no timed step"),
+        (["--model", "./no/such/folder"], "--model './no/such/folder' does not exist"),
+        (["--settings", "fp64"], "argument --settings: invalid choice"),
+    ],
+)
+def test_bench_cache_refuses_bad_arguments_before_the_load(monkeypatch, capsys, tmp_path, args, needle):
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_hidden_layers": 2,
+                                                      "hidden_size": 128, "max_position_embeddings": 512}))  # fmt: skip
+    b = script_module("bench_cache", monkeypatch)
+    monkeypatch.setattr(b, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    with pytest.raises(SystemExit) as e:
+        b.main(["--model", str(tmp_path), "--lengths", "64", "--new-tokens", "8", "--warmup", "1", *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
