@@ -18,8 +18,8 @@ from pathlib import Path
 from kvq_lab.common.metric import Metric
 from kvq_lab.plugins import TASKS
 from kvq_lab.probes.metrics import ERRORS
-from kvq_lab.records.index import query
 from kvq_lab.report.anchors import DEFAULT_MODEL, paper_values, row_name
+from kvq_lab.report.study import model_of, read, samples
 
 PROBE_TASK = "probe"
 # the probe quantities experiment tables show (their decode-row errors), by short name: KIVI Table 2's quantities
@@ -121,8 +121,7 @@ def _task(rec: dict) -> str:
 
 
 def _model(rec: dict) -> str:
-    m = rec.get("config", {}).get("model", {})
-    return str(m.get("path") or m.get("name"))
+    return model_of(rec)
 
 
 def _coverage(rec: dict) -> float:
@@ -150,17 +149,16 @@ def paired_difference(a: dict, b: dict) -> tuple[float, float, int]:
 
 def _stderr(run_dir: str, metrics: tuple[Metric, ...]) -> dict[str, float]:
     """Standard error (in %) of per-document scores from samples.json, for the metrics that have one."""
-    p = Path(run_dir) / "samples.json"
-    if not p.exists():
+    if not (Path(run_dir) / "samples.json").exists():
         return {}
     try:
-        samples = json.loads(p.read_text())
+        docs = samples({"_path": run_dir})
     except (OSError, json.JSONDecodeError):
         return {}
     out = {}
     for m in metrics:
         fld = m.per_sample
-        vals = [float(s[fld]) for s in samples if fld and isinstance(s.get(fld), (int, float))]
+        vals = [float(s[fld]) for s in docs if fld and isinstance(s.get(fld), (int, float))]
         if len(vals) > 1:
             out[m.key] = 100 * mean_se(vals)[1]
     return out
@@ -270,13 +268,16 @@ def load_rows(
     paper_model: str = DEFAULT_MODEL,
     model: str | None = None,
 ) -> list[Row]:
+    # the studies' one reader (kvq_lab.report.study): a record that does not match its digest is named and left out
     probes = [
         r
         for d in probe_folders(results_dir)
-        for r in query(d, verified=True)
+        for r in read(d, None, status=None)
         if any(k.startswith("probe/") for k in r.get("metrics", {}))
     ]
-    rows = query(Path(results_dir), verified=True)  # a record that does not match its digest is named and left out
+    if not (Path(results_dir) / "runs").is_dir():
+        return []
+    rows = read(results_dir, None if model is None else (model,), status=None)
     return build_rows(rows, experiment, limit=limit, paper_model=paper_model, probe_records=probes, model=model)
 
 

@@ -40,26 +40,30 @@ def _order(rec: dict) -> tuple[str, str]:
 
 def read(
     folder: str | Path,
-    models: Iterable[str],
+    models: Iterable[str] | None,
     *,
     status: str | None = "ok",
     where: dict[str, Any] | None = None,
     clean: bool = False,
 ) -> list[dict]:
-    """The verified records under `<folder>/runs` of `models`, oldest first (module docstring). `status`: only
+    """The verified records under `<folder>/runs` of `models`, oldest first (module docstring). `models=None`: every
+    model's, only for a caller that refuses a mix itself (make_table's rows name the model or raise). `status`: only
     records with it (None: every status, e.g. to show a failed row); `where`: the index's selection (dotted record
     paths -> value, `kvq_lab.records.index.query`); `clean`: leave out records made from a git tree with uncommitted
     changes. Raises FileNotFoundError for a folder without runs/ (a mistyped study path, not an empty study)."""
-    models = {models} if isinstance(models, str) else set(models)
-    if not models:
-        raise ValueError("read: name the study's model(s), e.g. models=('smollm2-135m',)")
+    if models is not None:
+        models = {models} if isinstance(models, str) else set(models)
+        if not models:
+            raise ValueError("read: name the study's model(s), e.g. models=('smollm2-135m',)")
     runs = Path(folder) / "runs"
     if not runs.is_dir():
         raise FileNotFoundError(f"{folder}: no runs/ folder here, so no records to read (a mistyped study folder?)")
     recs = [
         r
         for r in query(Path(folder), where, verified=True)
-        if model_of(r) in models and (status is None or r.get("status") == status) and not (clean and is_dirty(r))
+        if (models is None or model_of(r) in models)
+        and (status is None or r.get("status") == status)
+        and not (clean and is_dirty(r))
     ]
     return sorted(recs, key=_order)
 
