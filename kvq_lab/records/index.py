@@ -193,6 +193,8 @@ def query(
     oldest first (by run folder name, as `results.load_records`); each with `_path` set. `verified`: only those
     that match their digests (each other one refused in one line, `results.refuse`). `with_integrity`: each record also
     carries `_integrity`, None or why it does not match its digest."""
+    if not (Path(results_dir) / "runs").is_dir():
+        return []  # no records here: nothing is made (a mistyped folder must not gain an index, nor be created)
     sql, args = _sql_where(where)
 
     def select(con):

@@ -107,3 +107,9 @@ def test_compare_refuses_bad_arguments_in_one_line_before_any_index(tmp_path):
         assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and needle in out.stderr, out.stderr
     assert not (tmp_path / "goood").exists() and not list((tmp_path / "empty").iterdir())
     assert not (good / index.INDEX).exists()
+
+
+def test_a_folder_without_runs_has_no_records_and_gains_nothing(tmp_path):
+    assert index.query(tmp_path / "missing") == [] and not (tmp_path / "missing").exists()
+    (tmp_path / "empty").mkdir()
+    assert index.query(tmp_path / "empty") == [] and not list((tmp_path / "empty").iterdir())
