@@ -7,6 +7,12 @@ experiments/kivi_axis_table, whose prefill is simulated mode's own), and Gemma-3
 Records: SmolLM2-135M's and Gemma-3-270M's, read through `kvq_lab.report.study.read` (each checked against its
 digest); per (model, task, cache) the newest completed record wins. The README's Result section holds the same text
 between its markers.
+
+Beside each paired F1 difference, the noise floor (`kvq_lab.report.noise`): what rerunning the comparison's baseline
+row with `noise=permute:1` (the same model with its residual stream permuted: other float rounding, same mathematics)
+does against the same row rerun unperturbed on the same commit and host (both under `noise/`; the KIVI rows of each
+budget here, the 2-bit K-C/V-T row of the KIVI axis table for the prefill table), and whether the difference lies
+beyond it (more than 2 standard errors of the noise-only difference and of its own).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
 
+from kvq_lab.report.noise import beyond, noise_floor  # noqa: E402
 from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
 from kvq_lab.report.study import newest as newest_of  # noqa: E402
 from kvq_lab.report.study import per_doc, read, samples  # noqa: E402
@@ -65,7 +72,23 @@ def retrieval_cell(r: dict | None) -> str:
     return wilson(round(r["metrics"]["retrieval/acc"] * n / 100), n)
 
 
-def equal_bytes(runs: dict) -> tuple[str, dict]:
+def floor_of(noise: list[dict], cache: str, limit: int | None):
+    """The noise floor of a row from a noise/ folder's records: its noise=permute:1 rerun against its unperturbed
+    rerun (the newest of each, with the row's cache and limit); None until both exist."""
+    runs = [r for r in noise if r["cache"] == cache and r["config"].get("limit") == limit]
+    plain = [r for r in runs if r["config"].get("noise", "none") == "none"]
+    perm = [r for r in runs if r["config"].get("noise") == "permute:1"]
+    return noise_floor(plain[-1], perm[-1]) if plain and perm else None
+
+
+def floor_cells(floor, d: float, ds: float) -> list[str]:
+    """[the floor, whether the paired difference d ± ds (F1 points) lies beyond it]."""
+    if floor is None:
+        return ["-", "-"]
+    return [floor.cell(), "yes" if beyond(d, ds, floor) else "no"]
+
+
+def equal_bytes(runs: dict, noise: list[dict] = ()) -> tuple[str, dict]:
     model = "smollm2-135m"
     rows: dict[tuple[str, str], dict[str, dict]] = {}
     for (m, task, _label), r in runs.items():
@@ -75,7 +98,7 @@ def equal_bytes(runs: dict) -> tuple[str, dict]:
         rows.setdefault((budget(r), policy), {})[task] = r
     retrieval = sorted({t for cells in rows.values() for t in cells if t.startswith(("needle", "variable"))})
     head = ["budget", "policy", "cache", "bits/elem", "CoQA-turns EM", "CoQA-turns F1", "F1 - KIVI (paired)",
-            "KL mean", "top-1 agree", *retrieval]  # fmt: skip
+            "noise floor: KIVI row, permute:1 alone", "beyond", "KL mean", "top-1 agree", *retrieval]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = [("16", "fp16")] + [(b, p) for b in ("3.0", "2.5") for p in POLICIES]
     for b, p in order:
@@ -85,6 +108,7 @@ def equal_bytes(runs: dict) -> tuple[str, dict]:
         any_rec = next(iter(cells.values()))
         coqa, fid = cells.get("coqa"), cells.get("fidelity")
         em = f1 = diff = kl = top1 = "-"
+        beside = ["-", "-"]
         if coqa is not None:
             e, es = mean_se(list(per_doc(coqa, "em").values()))
             f, fs = mean_se(list(per_doc(coqa, "f1").values()))
@@ -93,6 +117,7 @@ def equal_bytes(runs: dict) -> tuple[str, dict]:
             if kivi is not None and p not in ("kivi", "fp16"):
                 d, ds, _ = paired_difference(per_doc(kivi, "f1"), per_doc(coqa, "f1"))
                 diff = f"{100 * d:+.1f} ± {100 * ds:.1f}"
+                beside = floor_cells(floor_of(noise, kivi["cache"], kivi["config"].get("limit")), 100 * d, 100 * ds)
         if fid is not None:
             fm = fid["metrics"]
             kl = f"{fm['fidelity/kl_mean']:.3f} ± {fm['fidelity/kl_mean_unc']:.3f}"
@@ -100,7 +125,7 @@ def equal_bytes(runs: dict) -> tuple[str, dict]:
         bits = f"{any_rec['metrics']['cache/bits_total']:.2f}"
         label = f"`{any_rec['cache']}`"
         rets = [retrieval_cell(cells.get(t)) for t in retrieval]
-        lines.append("| " + " | ".join([b, p, label, bits, em, f1, diff, kl, top1, *rets]) + " |")
+        lines.append("| " + " | ".join([b, p, label, bits, em, f1, diff, *beside, kl, top1, *rets]) + " |")
     return "\n".join(lines), rows
 
 
@@ -109,11 +134,13 @@ AXES = [("K4b-T32_V4b-T32", "4bit (K-T, V-T)"), ("K2b-C32_V2b-T32", "2bit (K-C, 
         ("K2b-T32_V2b-C32", "2bit (K-T, V-C)")]  # fmt: skip
 
 
-def prefill_table(runs: dict, axis_runs: dict) -> str:
+def prefill_table(runs: dict, axis_runs: dict, axis_noise: list[dict] = ()) -> str:
     lines = [
-        "| setting | prefill quantized: EM | F1 | prefill exact: EM | F1 | F1 exact - quantized (paired) |",
-        "|---|---|---|---|---|---|",
+        "| setting | prefill quantized: EM | F1 | prefill exact: EM | F1 | F1 exact - quantized (paired) "
+        "| noise floor: 2-bit K-C/V-T quantized, permute:1 alone | beyond |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    floor = floor_of(axis_noise, "K2b-C32_V2b-T32_sim", None)
     for key, name in AXES:
         quant = axis_runs.get(("smollm2-135m", "coqa_all", f"{key}_sim"))
         exact = runs.get(("smollm2-135m", "coqa_all", f"{key}_sim_Pexact"))
@@ -125,11 +152,12 @@ def prefill_table(runs: dict, axis_runs: dict) -> str:
             for metric in ("em", "f1"):
                 m, se = mean_se(list(per_doc(r, metric).values()))
                 cells.append(f"{100 * m:.2f} ± {100 * se:.1f}")
-        diff = "-"
+        diff, beside = "-", ["-", "-"]
         if quant is not None and exact is not None:
             d, ds, n = paired_difference(per_doc(quant, "f1"), per_doc(exact, "f1"))
             diff = f"{100 * d:+.2f} ± {100 * ds:.1f} (n={n})"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {diff} |")
+            beside = floor_cells(floor, 100 * d, 100 * ds)
+        lines.append(f"| {name} | " + " | ".join([*cells, diff, *beside]) + " |")
     return "\n".join(lines)
 
 
@@ -201,19 +229,21 @@ def figure(rows: dict) -> None:
     fig.savefig(HERE / "policies.png", dpi=110)
 
 
-def records() -> tuple[list[dict], list[dict]]:
-    """(this study's records, the KIVI axis table's)."""
-    return read(HERE, MODELS), read(AXIS_TABLE, MODELS)
+def records() -> tuple[list[dict], ...]:
+    """(this study's records, the KIVI axis table's, and the noise/ reruns of each, SmolLM2's: [] until made)."""
+    noise = [read(f / "noise", MODELS[:1]) if (f / "noise" / "runs").is_dir() else [] for f in (HERE, AXIS_TABLE)]
+    return read(HERE, MODELS), read(AXIS_TABLE, MODELS), *noise
 
 
-def text(recs: tuple[list[dict], list[dict]]) -> str:
+def text(recs: tuple[list[dict], ...]) -> str:
     runs, axis_runs = newest(recs[0]), newest(recs[1])
-    eq, _ = equal_bytes(runs)
+    noise, axis_noise = recs[2:4] if len(recs) > 2 else ([], [])
+    eq, _ = equal_bytes(runs, noise)
     return "\n\n".join(
         [
             "### Policies at equal stored bytes (SmolLM2-135M)\n\n" + eq,
             "### Prefill exact vs quantized, KIVI's axis rows (SmolLM2-135M, CoQA-turns, all turns)\n\n"
-            + prefill_table(runs, axis_runs)
+            + prefill_table(runs, axis_runs, axis_noise)
             + "\n\n"
             + same_outputs(runs, axis_runs),
             "### Gemma-3-270M: sliding-window layers skipped or not\n\n" + gemma_table(runs),
@@ -221,7 +251,7 @@ def text(recs: tuple[list[dict], list[dict]]) -> str:
     )
 
 
-def tables(recs: tuple[list[dict], list[dict]]) -> dict[str, str]:
+def tables(recs: tuple[list[dict], ...]) -> dict[str, str]:
     """{file name here: its text}: table.md, and the README with the same tables between its markers."""
     body, tables = (HERE / "README.md").read_text(), text(recs)
     a, b = body.index(MARKERS[0]), body.index(MARKERS[1])

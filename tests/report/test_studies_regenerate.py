@@ -23,6 +23,7 @@ SCRIPTS = {  # experiments/<script> -> the tables it writes, relative to its fol
     "fidelity/make_figure.py": ["table.md"],
     "fidelity/make_long_table.py": ["long_context_table.md"],
     "field_methods/table.py": ["table.md"],
+    "kivi_axis_table/paired.py": ["paired.md"],  # paired differences with the noise floor beside each
     "llama_cpp_parity/table.py": ["table.md"],
     "long_context/make_table.py": ["table.md"],
     "long_context/make_probe_figure.py": ["probe_layers.md"],

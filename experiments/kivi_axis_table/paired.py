@@ -1,0 +1,112 @@
+"""The axis table's paired differences with the noise floor beside each (run from the repo root) -> paired.md.
+
+    python experiments/kivi_axis_table/paired.py
+
+SmolLM2-135M, all 297 CoQA turns, F1 paired turn by turn. Beside each difference: what a rerun of the baseline row
+(2-bit K-C/V-T) that changes only float rounding does to it, `noise=permute:1` (`kvq_lab/models/noise.py`) against
+the same row rerun unperturbed on the same commit, libraries, host and thread count (both under `noise/`), and
+whether the difference lies beyond that floor (`kvq_lab.report.noise.beyond`). The second table gives every row's
+floor under each rounding-only rerun the study holds: the permutation (`noise/`), the committed row against its
+unperturbed rerun here (another host and transformers build), prefix reuse (`prefix_reuse/`) and continuous batching
+with reuse (`continuous/`). Records through `kvq_lab.report.study.read` (each checked against its digest).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
+
+from kvq_lab.report.noise import beyond, noise_floor  # noqa: E402
+from kvq_lab.report.rows import paired_difference  # noqa: E402
+from kvq_lab.report.study import per_doc, read, samples  # noqa: E402
+
+MODEL = "smollm2-135m"
+BASELINE = "K2b-C32_V2b-T32_sim"
+ROWS = {"K16b_V16b_sim": "16bit", "K4b-T32_V4b-T32_sim": "4bit (K-T, V-T)", BASELINE: "2bit (K-C, V-T)",
+        "K2b-T32_V2b-T32_sim": "2bit (K-T, V-T)", "K2b-C32_V2b-C32_sim": "2bit (K-C, V-C)",
+        "K2b-T32_V2b-C32_sim": "2bit (K-T, V-C)"}  # fmt: skip
+PAIRS = [("K16b_V16b_sim", k) for k in list(ROWS)[1:]] + [(BASELINE, "K2b-C32_V2b-C32_sim")]
+RERUNS = {"prefix_reuse": "prefix reuse", "continuous": "batch 8 + reuse"}  # folders of rounding-only reruns
+
+
+def fullest(recs: list[dict]) -> dict[str, dict]:
+    """cache label -> the completed coqa_turns record over the most turns (the newest among equals)."""
+    best: dict[str, dict] = {}
+    for r in recs:  # oldest first
+        n = r["metrics"].get("coqa_turns/n", 0)
+        held = best.get(r["cache"], {}).get("metrics", {}).get("coqa_turns/n", 0)
+        if r["config"]["task"]["name"] == "coqa_turns" and n >= held:
+            best[r["cache"]] = r
+    return best
+
+
+def records() -> dict[str, list[dict]]:
+    """folder (`.` = the table's own runs) -> its SmolLM2 records."""
+    return {f: read(HERE / f, (MODEL,)) for f in (".", "noise", *RERUNS) if (HERE / f / "runs").is_dir()}
+
+
+def permuted(noise: list[dict]) -> tuple[dict | None, dict | None]:
+    """(the baseline rerun unperturbed, the same rerun with noise=permute:1) from the noise/ folder's records."""
+    runs = [r for r in noise if r["cache"] == BASELINE and r["config"].get("limit") is None]
+    plain = [r for r in runs if r["config"].get("noise", "none") == "none"]
+    perm = [r for r in runs if r["config"].get("noise") == "permute:1"]
+    return (plain[-1] if plain else None), (perm[-1] if perm else None)
+
+
+def paired(recs: dict[str, list[dict]]) -> str:
+    table = fullest(recs["."])
+    plain, perm = permuted(recs.get("noise", []))
+    floor = noise_floor(plain, perm) if plain is not None and perm is not None else None
+    shown = floor.cell() if floor else "-"
+    head = "| B - A | paired F1 | turns differ | noise floor (2-bit K-C/V-T, permute:1 alone) | beyond the floor |"
+    lines = [head, "|---|---|---|---|---|"]
+    for a, b in PAIRS:
+        ra, rb = table[a], table[b]
+        d, se, n = paired_difference(per_doc(ra, "f1", 100), per_doc(rb, "f1", 100))
+        sa, sb = ({s["doc_id"]: s["response"] for s in samples(r)} for r in (ra, rb))
+        differ = sum(sa[i] != sb[i] for i in sa.keys() & sb.keys())
+        verdict = "-" if floor is None else ("yes" if beyond(d, se, floor) else "no")
+        lines.append(f"| {ROWS[b]} - {ROWS[a]} | {d:+.2f} ± {se:.2f} | {differ}/{n} | {shown} | {verdict} |")
+    return "\n".join(lines)
+
+
+def floors(recs: dict[str, list[dict]]) -> str:
+    table = fullest(recs["."])
+    plain, perm = permuted(recs.get("noise", []))
+    cols = ["permute:1 vs unperturbed (this host)", "committed vs rerun here"] + list(RERUNS.values())
+    lines = ["| cache | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    reruns = {f: fullest(recs[f]) for f in RERUNS if f in recs}
+    for label, name in ROWS.items():
+        cells = []
+        here = plain if label == BASELINE else None
+        cells.append(noise_floor(plain, perm).cell() if here is not None and perm is not None else "-")
+        cells.append(noise_floor(table[label], here).cell() if here is not None else "-")
+        for f in RERUNS:
+            r = reruns.get(f, {}).get(label)
+            cells.append(noise_floor(table[label], r).cell() if r is not None else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(recs: dict[str, list[dict]]) -> dict[str, str]:
+    return {
+        "paired.md": "### Paired F1 differences against the noise floor (SmolLM2-135M, 297 CoQA turns)\n\n"
+        + paired(recs)
+        + "\n\n### Noise floors: rounding-only reruns of each row (rerun - row, paired F1, answers changed)\n\n"
+        + floors(recs)
+        + "\n"
+    }
+
+
+def main() -> None:
+    out = tables(records())
+    for name, text in out.items():
+        (HERE / name).write_text(text)
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
