@@ -2,7 +2,7 @@
 
     python scripts/bench_kernels.py                   # needs CUDA; --out experiments/kernels
     python scripts/bench_kernels.py --quick           # fewer sizes, batch-1 cases
-    python scripts/bench_kernels.py --lengths 4096 32768 --cases pre padded-b4-pre --out /tmp/k
+    python scripts/bench_kernels.py --lengths 4096 32768 --cases pre padded-b4-pre --out ../kernels_run
 
 1. quantize+pack throughput (GB/s of fp16 input read) vs a device-to-device copy of the same tensor, per bits
    and axis, at 4K-64K tokens. The copy is the memory-bandwidth ceiling a streaming kernel can approach.

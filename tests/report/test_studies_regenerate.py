@@ -151,8 +151,7 @@ MACHINE_PATH = r"(?<![\w.~-])/(?:work|root|home|Users|tmp|mnt|scratch)/[\w.$-]"
 # records/ and profile/ folders, .log files, the GPU check's outputs): the command lines they quote are what ran.
 EXEMPT_DIRS = ("runs", "records", "profile")
 EXEMPT_FILES = {
-    "scripts/gpu_check.sh": "the GPU kernel work's: it installs into a temporary folder of the device it runs on",
-    "scripts/bench_kernels.py": "the GPU kernel work's (its docstring's example writes to a temporary folder)",
+    "scripts/gpu_check.sh": "runs on the GPU machine, whose Python it extends through a temporary folder there",
 }
 
 
