@@ -5,10 +5,12 @@
 SmolLM2-135M, all 297 CoQA turns, F1 paired turn by turn. Beside each difference: what a rerun of the baseline row
 (2-bit K-C/V-T) that changes only float rounding does to it, `noise=permute:1` (`kvq_lab/models/noise.py`) against
 the same row rerun unperturbed on the same commit, libraries, host and thread count (both under `noise/`), and
-whether the difference lies beyond that floor (`kvq_lab.report.noise.beyond`). The second table gives every row's
-floor under each rounding-only rerun the study holds: the permutation (`noise/`), the committed row against its
-unperturbed rerun here (another host and transformers build), prefix reuse (`prefix_reuse/`) and continuous batching
-with reuse (`continuous/`). Records through `kvq_lab.report.study.read` (each checked against its digest).
+whether the difference lies beyond every floor of that row (`kvq_lab.report.noise.beyond`: further from zero than
+each rounding-only difference plus two of its standard errors, and than two of its own). The second table gives
+every row's floor under each rounding-only rerun the study holds: the permutation (`noise/`), the committed row
+against its unperturbed rerun here (another host and transformers build), prefix reuse (`prefix_reuse/`) and
+continuous batching with reuse (`continuous/`). Records through `kvq_lab.report.study.read` (each checked against
+its digest).
 """
 
 from __future__ import annotations
@@ -56,19 +58,32 @@ def permuted(noise: list[dict]) -> tuple[dict | None, dict | None]:
     return (plain[-1] if plain else None), (perm[-1] if perm else None)
 
 
+def baseline_floors(recs: dict[str, list[dict]]) -> list:
+    """Every rounding-only floor of the baseline row: permute:1 against its unperturbed rerun, the committed row
+    against that rerun, and the committed row against each rerun folder's (the second table's baseline line)."""
+    table = fullest(recs["."])
+    plain, perm = permuted(recs.get("noise", []))
+    out = [noise_floor(plain, perm), noise_floor(table[BASELINE], plain)] if plain and perm else []
+    for f in RERUNS:
+        r = fullest(recs.get(f, [])).get(BASELINE)
+        if r is not None:
+            out.append(noise_floor(table[BASELINE], r))
+    return out
+
+
 def paired(recs: dict[str, list[dict]]) -> str:
     table = fullest(recs["."])
     plain, perm = permuted(recs.get("noise", []))
     floor = noise_floor(plain, perm) if plain is not None and perm is not None else None
-    shown = floor.cell() if floor else "-"
-    head = "| B - A | paired F1 | turns differ | noise floor (2-bit K-C/V-T, permute:1 alone) | beyond the floor |"
+    shown, floors = (floor.cell() if floor else "-"), baseline_floors(recs)
+    head = "| B - A | paired F1 | turns differ | noise floor (2-bit K-C/V-T, permute:1 alone) | beyond every floor |"
     lines = [head, "|---|---|---|---|---|"]
     for a, b in PAIRS:
         ra, rb = table[a], table[b]
         d, se, n = paired_difference(per_doc(ra, "f1", 100), per_doc(rb, "f1", 100))
         sa, sb = ({s["doc_id"]: s["response"] for s in samples(r)} for r in (ra, rb))
         differ = sum(sa[i] != sb[i] for i in sa.keys() & sb.keys())
-        verdict = "-" if floor is None else ("yes" if beyond(d, se, floor) else "no")
+        verdict = "-" if floor is None else ("yes" if beyond(d, se, floors) else "no")
         lines.append(f"| {ROWS[b]} - {ROWS[a]} | {d:+.2f} ± {se:.2f} | {differ}/{n} | {shown} | {verdict} |")
     return "\n".join(lines)
 

@@ -12,7 +12,8 @@ Beside each paired F1 difference, the noise floor (`kvq_lab.report.noise`): what
 row with `noise=permute:1` (the same model with its residual stream permuted: other float rounding, same mathematics)
 does against the same row rerun unperturbed on the same commit and host (both under `noise/`; the KIVI rows of each
 budget here, the 2-bit K-C/V-T row of the KIVI axis table for the prefill table), and whether the difference lies
-beyond it (more than 2 standard errors of the noise-only difference and of its own).
+beyond it and beyond the committed row against its unperturbed rerun (`kvq_lab.report.noise.beyond`: further from
+zero than each rounding-only difference plus two of its standard errors, and than two of its own).
 """
 
 from __future__ import annotations
@@ -72,20 +73,21 @@ def retrieval_cell(r: dict | None) -> str:
     return wilson(round(r["metrics"]["retrieval/acc"] * n / 100), n)
 
 
-def floor_of(noise: list[dict], cache: str, limit: int | None):
-    """The noise floor of a row from a noise/ folder's records: its noise=permute:1 rerun against its unperturbed
-    rerun (the newest of each, with the row's cache and limit); None until both exist."""
-    runs = [r for r in noise if r["cache"] == cache and r["config"].get("limit") == limit]
+def floors_of(noise: list[dict], row: dict) -> list:
+    """The noise floors of a row (its record) from a noise/ folder's records: its noise=permute:1 rerun against its
+    unperturbed rerun (the newest of each, with the row's cache and limit), then the row against that unperturbed
+    rerun (another commit, maybe another host); [] until both reruns exist."""
+    runs = [r for r in noise if r["cache"] == row["cache"] and r["config"].get("limit") == row["config"].get("limit")]
     plain = [r for r in runs if r["config"].get("noise", "none") == "none"]
     perm = [r for r in runs if r["config"].get("noise") == "permute:1"]
-    return noise_floor(plain[-1], perm[-1]) if plain and perm else None
+    return [noise_floor(plain[-1], perm[-1]), noise_floor(row, plain[-1])] if plain and perm else []
 
 
-def floor_cells(floor, d: float, ds: float) -> list[str]:
-    """[the floor, whether the paired difference d ± ds (F1 points) lies beyond it]."""
-    if floor is None:
+def floor_cells(floors: list, d: float, ds: float) -> list[str]:
+    """[the permutation's floor, whether the paired difference d ± ds (F1 points) lies beyond every floor]."""
+    if not floors:
         return ["-", "-"]
-    return [floor.cell(), "yes" if beyond(d, ds, floor) else "no"]
+    return [floors[0].cell(), "yes" if beyond(d, ds, floors) else "no"]
 
 
 def equal_bytes(runs: dict, noise: list[dict] = ()) -> tuple[str, dict]:
@@ -117,7 +119,7 @@ def equal_bytes(runs: dict, noise: list[dict] = ()) -> tuple[str, dict]:
             if kivi is not None and p not in ("kivi", "fp16"):
                 d, ds, _ = paired_difference(per_doc(kivi, "f1"), per_doc(coqa, "f1"))
                 diff = f"{100 * d:+.1f} ± {100 * ds:.1f}"
-                beside = floor_cells(floor_of(noise, kivi["cache"], kivi["config"].get("limit")), 100 * d, 100 * ds)
+                beside = floor_cells(floors_of(noise, kivi), 100 * d, 100 * ds)
         if fid is not None:
             fm = fid["metrics"]
             kl = f"{fm['fidelity/kl_mean']:.3f} ± {fm['fidelity/kl_mean_unc']:.3f}"
@@ -140,7 +142,8 @@ def prefill_table(runs: dict, axis_runs: dict, axis_noise: list[dict] = ()) -> s
         "| noise floor: 2-bit K-C/V-T quantized, permute:1 alone | beyond |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    floor = floor_of(axis_noise, "K2b-C32_V2b-T32_sim", None)
+    baseline = axis_runs.get(("smollm2-135m", "coqa_all", "K2b-C32_V2b-T32_sim"))
+    floors = floors_of(axis_noise, baseline) if baseline is not None else []
     for key, name in AXES:
         quant = axis_runs.get(("smollm2-135m", "coqa_all", f"{key}_sim"))
         exact = runs.get(("smollm2-135m", "coqa_all", f"{key}_sim_Pexact"))
@@ -156,7 +159,7 @@ def prefill_table(runs: dict, axis_runs: dict, axis_noise: list[dict] = ()) -> s
         if quant is not None and exact is not None:
             d, ds, n = paired_difference(per_doc(quant, "f1"), per_doc(exact, "f1"))
             diff = f"{100 * d:+.2f} ± {100 * ds:.1f} (n={n})"
-            beside = floor_cells(floor, 100 * d, 100 * ds)
+            beside = floor_cells(floors, 100 * d, 100 * ds)
         lines.append(f"| {name} | " + " | ".join([*cells, diff, *beside]) + " |")
     return "\n".join(lines)
 

@@ -76,8 +76,10 @@ def test_another_cache_is_no_rerun(tmp_path):
 
 
 def test_beyond_the_floor():
-    floor = Floor(diff=-1.9, se=1.7, n=297, flips=224, changes=("noise none -> permute:1",))
+    floor = Floor(diff=-1.9, se=1.7, n=297, flips=224, changes=("prefix_reuse False -> True",))
     assert beyond(-16.5, 2.5, floor)  # far outside what rounding moves
-    assert not beyond(-3.0, 1.2, floor)  # 2.5 SE of its own, but rounding alone moves F1 by up to ~3.4
-    assert not beyond(-4.0, 2.1, floor)  # neither
-    assert beyond(4.0, 1.5, Floor(0.1, 0.9, 100, 40, ())) and not beyond(4.0, 2.5, Floor(0.1, 0.9, 100, 40, ()))
+    assert not beyond(-4.0, 1.2, floor)  # 3.3 SE of its own, but rounding alone moved F1 by 1.9 ± 1.7
+    assert not beyond(-6.0, 3.2, floor)  # outside the floor, not outside its own spread
+    wide = Floor(diff=-3.9, se=1.6, n=297, flips=237, changes=("noise none -> permute:1",))
+    assert beyond(-6.0, 1.5, floor) and not beyond(-6.0, 1.5, [floor, wide])  # every floor counts
+    assert not beyond(-6.0, 1.5, [])  # no floor measured: nothing is beyond it
