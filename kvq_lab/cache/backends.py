@@ -177,7 +177,9 @@ def resolve(cache, width: int | None = None) -> str | None:
                 from kvq_lab.kernels import cpu_kernel as _  # noqa: F401  (declares the formats it reads)
             else:
                 from kvq_lab.kernels import triton as _  # noqa: F401
-            if unsupported_formats(name, specs):
+            bad = unsupported_formats(name, specs)
+            if bad:
+                _warn_format(name, bad)
                 return "torch"
     if cache.mode == "packed" and cache.reads_dequantized():
         return "torch"
@@ -215,13 +217,19 @@ def get_backend(name: str, specs: tuple[QuantSpec, ...] = ()) -> Backend:
         return backend
     bad = unsupported_formats(chosen, specs)
     if bad:
-        key = ("format", chosen, *bad)
-        if key not in _WARNED:
-            _WARNED.add(key)
-            warnings.warn(
-                f"backend=auto: the {chosen} kernels cannot read format={bad[0]}; the packed cache uses the PyTorch "
-                "path (backend=torch)",
-                stacklevel=2,
-            )
+        _warn_format(chosen, bad)
         return TorchBackend
     return backend
+
+
+def _warn_format(chosen: str, bad: list[str]) -> None:
+    """`auto` takes the PyTorch path for a format the kernel it would pick cannot read: said once per process, where
+    the choice is made (`resolve`, before the model loads, for runs; `get_backend` for caches built directly)."""
+    key = ("format", chosen, *bad)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(
+            f"backend=auto: the {chosen} kernels cannot read format={bad[0]}; the packed cache uses the PyTorch "
+            "path (backend=torch)",
+            stacklevel=3,
+        )

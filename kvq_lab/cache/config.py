@@ -330,9 +330,11 @@ class CacheConfig:
 
     @property
     def quantizes_prefill(self) -> bool:
-        """The prompt's forward reads the cache's quantized K/V, set explicitly (`prefill=quantized`, with anything
-        quantized): tasks that prefill on their own then forward the prompt through the cache."""
-        return self.prefill == "quantized" and not (self.key.is_identity and self.value.is_identity)
+        """The prompt's forward reads the cache's quantized K/V, set explicitly (`prefill=quantized`, or a policy that
+        means it: `policy=fakequant`), with anything quantized: tasks that prefill on their own then forward the
+        prompt through the cache."""
+        asked = self.prefill == "quantized" or self.token_policy().quantizes_prompt
+        return asked and not (self.key.is_identity and self.value.is_identity)
 
     @property
     def exact_prefill(self) -> bool:

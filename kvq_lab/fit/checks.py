@@ -106,11 +106,14 @@ def check_against_model(
     prec: Mapping,
     data_dir: Path | None,
     task: Mapping | None = None,
+    dtype: str = "float32",
 ) -> None:
     """The checks that need the model's shape or tokenizer but not its weights, before it loads: group tiling and
-    transforms against the head dim, a per-layer bits file against the layer count, the calibration (`cal`) and
-    sensitivity (`prec`) texts against the token counts they must hold, with the model's own tokenizer where it is
-    local (a text that would be downloaded is checked once the model loads)."""
+    transforms against the head dim, a per-layer bits file against the layer count, a search budget against the
+    cheapest assignment's bytes as the search will count them (the model's shape and `dtype`: exact windows, sinks,
+    per-head layers), the calibration (`cal`) and sensitivity (`prec`) texts against the token counts they must
+    hold, with the model's own tokenizer where it is local (a text that would be downloaded is checked once the model
+    loads)."""
     if facts is None:
         return
     if facts.head_dim:
@@ -121,6 +124,13 @@ def check_against_model(
     if facts.layers:
         precision.check_layers(prec, cache, facts.layers, facts.kv_heads)
     search = precision.settings(prec)["name"] == "search"
+    if search and facts.layers and facts.kv_heads and facts.head_dim:
+        from kvq_lab.fit.precision import check_budget, shape_costs
+
+        s = precision.settings(prec)
+        shape = (facts.layers, facts.kv_heads, facts.head_dim)
+        costs = shape_costs(shape, dtype, cache, s["choices"], s["tokens"], s["granularity"])
+        check_budget(costs, s["budget"], s["choices"])
     if not (calibration.needs_calibration(cache) or search):
         return
     sources = {calibration.settings(cal)["source"], precision.settings(prec)["source"]}

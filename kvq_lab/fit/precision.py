@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -88,27 +89,66 @@ def flat(bits: list) -> list[int]:
 
 
 def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int, granularity: str = "layer") -> Costs:
-    """Fill one packed layer with `tokens` random tokens per choice and read its streams' bytes (module docstring);
-    granularity=head: a one-head layer's, checked to be 1/H_kv of the layer's."""
+    """`shape_costs` with the loaded model's shape, dtype, device and rotary module."""
+    text_cfg = model.config.get_text_config(decoder=True)
+    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+    w = next(model.parameters())
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    shape = (text_cfg.num_hidden_layers, text_cfg.num_key_value_heads, D)
+    return shape_costs(shape, w.dtype, cache, choices, tokens, granularity, w.device, rotary)
+
+
+class _AnyRope:
+    """A rotary module for counting bytes before the model loads (`rope=pre`): standard RoPE cos/sin [B, T, D]; the
+    bytes stored do not depend on the frequencies."""
+
+    def __init__(self, head_dim: int):
+        self.D = head_dim
+
+    def __call__(self, x, position_ids):
+        import torch
+
+        inv = 10000.0 ** (-torch.arange(0, self.D, 2, dtype=torch.float32, device=x.device) / self.D)
+        ang = position_ids.float()[..., None] * inv
+        emb = torch.cat([ang, ang], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def shape_costs(
+    shape: tuple[int, int, int],
+    dtype,
+    cache: CacheConfig,
+    choices: list[int],
+    tokens: int,
+    granularity: str = "layer",
+    device="cpu",
+    rotary=None,
+) -> Costs:
+    """Fill one packed layer of a model of `shape` (decoder layers, KV heads, head dim) and `dtype` (a torch dtype or
+    its name) with `tokens` random tokens per choice and read its streams' bytes (module docstring); granularity=head:
+    a one-head layer's, checked to be 1/H_kv of the layer's. Needs no model: the check before the load reads the
+    same bytes from the model's files (`check_budget`); `rotary` (rope=pre): the model's rotary module, else one
+    that counts the same."""
     import torch
 
     from kvq_lab.cache import QuantizedKVCache
 
-    text_cfg = model.config.get_text_config(decoder=True)
-    H = text_cfg.num_key_value_heads
-    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    w = next(model.parameters())
+    L, H, D = shape
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     R = cache.residual_length if cache.mode == "packed" else 0
     gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
-    v = torch.randn(1, H, tokens, D, generator=gen).to(w.device, w.dtype)
+    k = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
+    v = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
+    if cache.rope == "pre" and rotary is None:
+        rotary = _AnyRope(D)
 
     def one(heads: int) -> tuple[dict, dict, int, int]:
         key, value, fixed = {}, {}, None
         for b in choices:
             c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
             c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
-            layer = QuantizedKVCache.for_model(model, c).layers[0]
+            c.check_head_dim(D)
+            layer = QuantizedKVCache(c, 1, rotary_emb=rotary).layers[0]
             layer.update(k[:, :heads], v[:, :heads])
             key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
             shared = 0 if layer._log is None else layer._log.nbytes_for(layer)  # counted by this layer, held once
@@ -120,7 +160,7 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int, gr
 
     key, value, fixed, shared = one(H)
     if granularity == "layer":
-        return Costs(key, value, fixed, 2 * H * tokens * D, text_cfg.num_hidden_layers, shared)
+        return Costs(key, value, fixed, 2 * H * tokens * D, L, shared)
     hk, hv, hf, _ = one(1)
     if (
         [H * hk[b] for b in choices] != [key[b] for b in choices]
@@ -130,7 +170,7 @@ def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int, gr
         raise RuntimeError(
             "a packed layer's bytes are not H_kv times a one-head layer's: per-head costs would be wrong"
         )
-    return Costs(hk, hv, hf, 2 * tokens * D, text_cfg.num_hidden_layers, shared, heads=H)
+    return Costs(hk, hv, hf, 2 * tokens * D, L, shared, heads=H)
 
 
 # -- sensitivity -----------------------------------------------------------------------------------------------------
@@ -308,6 +348,22 @@ def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] |
     return list(min(frontier, key=lambda e: (e[1], e[0]))[2])
 
 
+def check_budget(costs: Costs, budget: float, choices: list[int], met: bool = True) -> None:
+    """One-line ConfigError where even every unit at the smallest choice stores more than `budget` bits per element
+    as `Costs.bits` counts them (codes, parameters, exact windows and sinks; per head where the search is): checked
+    before the load from the model's files (`kvq_lab.fit.checks`), and before any sensitivity is measured. `met`
+    False: the search found no assignment (a budget equal to the cheapest, lost to rounding)."""
+    U, b = costs.units, min(choices)
+    low = costs.bits([b] * U, [b] * U)
+    if budget < low or not met:
+        unit = "head" if costs.heads > 1 else "layer"
+        raise ConfigError(
+            f"precision.budget={budget:g} cannot be met: every {unit} at {b} bits stores {low:.4g} bits per element "
+            "with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); raise "
+            f"the budget to >= {math.ceil(low * 1000) / 1000:g} or lower residual_length"
+        )
+
+
 def search(sens: dict[str, dict[int, list]], costs: Costs, budget: float, choices: list[int]):
     """-> (key_bits [L], value_bits [L]) (per head, `costs.heads` > 1: [L][H_kv] each) with the least total
     sensitivity whose stored bits per element (as `Costs.bits` counts them) are at most `budget`; ConfigError (one
@@ -318,14 +374,10 @@ def search(sens: dict[str, dict[int, list]], costs: Costs, budget: float, choice
     for tensor, cost in (("key", costs.key), ("value", costs.value)):
         for u in range(U):
             items.append([(cost[b], flat(sens[tensor][b])[u]) for b in choices])
+    check_budget(costs, budget, choices)
     picks = knapsack(items, capacity)
     if picks is None:
-        low = costs.bits([min(choices)] * U, [min(choices)] * U)
-        raise ConfigError(
-            f"precision.budget={budget:g} cannot be met: every layer at {min(choices)} bits stores {low:.4g} bits per "
-            "element with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); "
-            "raise the budget or lower residual_length"
-        )
+        check_budget(costs, budget, choices, met=False)
     bits = [choices[j] for j in picks]
     kb, vb = bits[:U], bits[U:]
     if H == 1:
@@ -347,6 +399,7 @@ def resolve(
         return cache
     choices, T, unit = s["choices"], s["tokens"], s["granularity"]
     costs = measure_costs(model, cache, choices, T, unit)
+    check_budget(costs, s["budget"], choices)  # before any sensitivity pass (a hub model's first chance)
     text = sensitivity_text(s, data_dir)
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :T]
     if ids.shape[1] < T:

@@ -101,6 +101,11 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
         raise ConfigError(
             f"precision={s['name']} sets every layer's bits; skip_layers would override some of them: unset one"
         )
+    if cache.splits_tokens:  # a tier's bits are the policy's; the search prices and stores the mode's own layers
+        raise ConfigError(
+            f"precision={s['name']} with policy={cache.policy}: the policy's tiers give tokens their own bits, which "
+            "per-layer bits neither price nor store; use precision=uniform, or policy=kivi"
+        )
     from kvq_lab.fit.calibration_settings import needs_calibration, what_is_fitted
 
     if needs_calibration(cache):  # calibration fits one config per layer at the run's bits (nuq codebooks...)

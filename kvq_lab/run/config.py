@@ -253,9 +253,27 @@ def build(cfg) -> RunConfig:
         facts=facts,
         resolved=Section(c),
     )
-    TASKS[task_name].check(run, ddir)
-    checks.check_against_model(cache, model, facts, c["calibration"], c["precision"], ddir, c["task"])
+    task = TASKS[task_name]
+    task.check(run, ddir)
+    task.check_positions(run.task, facts.context if facts is not None else None, f"model={model}")
+    check_prompt(task, run.task, cache)
+    dtype = c["model"].get("dtype") or "float32"
+    checks.check_against_model(cache, model, facts, c["calibration"], c["precision"], ddir, c["task"], dtype)
     return _replace(run, cache=checks.resolve_backend(cache, facts))
+
+
+def check_prompt(task, task_cfg, cache: CacheConfig) -> None:
+    """A policy that means the prompt quantized (`policy=fakequant`, KIVI Table 1) on a task whose prompt's forward
+    would not read the quantized cache (`Task.prompt_prefill`): refused, so the record never names a method that did
+    not run."""
+    if not cache.token_policy().quantizes_prompt:
+        return
+    got = task.prompt_prefill(task_cfg, cache)
+    if got != "quantized":
+        what = "runs no prompt through the cache" if got is None else f"hands the cache the prompt's {got} K/V"
+        raise ConfigError(
+            f"policy={cache.policy} quantizes the prompt (KIVI Table 1), and task={task.name} {what}: use policy=kivi"
+        )
 
 
 def _replace(run: RunConfig, **changes) -> RunConfig:

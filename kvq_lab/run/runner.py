@@ -254,6 +254,7 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
         "cache": plan.cache.label(),
         "cache_config": asdict(plan.cache),
         "backend": plan.cache.backend,  # the one that runs (`auto` resolved before the run key)
+        "prefill": TASKS[plan.task].prompt_prefill(cfg.task, plan.cache),  # what the prompt's forward read (or None)
         "experiment": cfg.experiment_name,
         "sweep": sweep,
         "env": environment(cfg.device),
@@ -276,6 +277,9 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
         seed_everything(cfg.seed)
         with timer("model_load_s"):
             model, tok = get_model(cfg.model_source, cfg.dtype, cfg.device, cfg.noise)
+        if cfg.facts is None:  # a hub model: its positions are known once it has loaded
+            most = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+            TASKS[plan.task].check_positions(cfg.task, most, f"model={cfg.model_source}")
         with timer("calibration_s"):  # fitted methods (nuq, outliers, innerq, rotatekv): one config per layer
             from kvq_lab.fit.calibration import calibrate
 

@@ -168,6 +168,34 @@ class Task:
         """Documents `limit` selects from, given the parsed rows of each data file (None: no bound to check)."""
         return None
 
+    def positions(self, task_cfg) -> tuple[int, str] | None:
+        """The most tokens one sequence of this run holds (prompt and generated or scored tokens) and the settings
+        that make it, e.g. (9512, "task.context_tokens + task.eval_tokens = 9000 + 512"); None where the options do
+        not bound it (lm-eval's tasks: their prompts are cut to lm-eval's max_length). Read after `check` has
+        validated the options."""
+        return None
+
+    def check_positions(self, task_cfg, most: int | None, model: str = "the model") -> None:
+        """A sequence longer than the model's positions (`most`, its max_position_embeddings; None: not known) is
+        refused in one line: RoPE past its trained range runs, and records `ok`, but measures nothing the model
+        does. Called before the load with the positions the model's files give, and right after the load of a hub
+        model."""
+        need = self.positions(task_cfg)
+        if most is None or need is None or need[0] <= most:
+            return
+        raise ConfigError(
+            f"task={self.name}: {need[1]} = {need[0]} tokens, past {model}'s {most} positions "
+            f"(max_position_embeddings); use at most {most}"
+        )
+
+    def prompt_prefill(self, task_cfg, cache) -> str | None:
+        """What the prompt's forward attends to in this run, in the words of the `prefill` knob: `quantized` (the
+        K/V as the cache stores them) or `exact` (as the model computed them); None where no prompt goes through the
+        run's cache (task=probe). The record carries it, and `policy=fakequant` (KIVI Table 1: the prompt quantized)
+        is refused where it is not `quantized`. Default: every prompt goes through the cache, as its mode and
+        `prefill` say."""
+        return "exact" if cache.exact_prefill else "quantized"
+
     def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
         unknown = sorted(set(cfg.task.keys()) - set(self.options))
         if unknown:

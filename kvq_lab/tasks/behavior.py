@@ -266,6 +266,9 @@ class BehaviorTask(Task):
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self.data}}
 
+    def positions(self, task_cfg) -> tuple[int, str]:
+        return task_cfg.get("max_new_tokens"), "task.max_new_tokens (besides the prompt)"
+
     def run(self, ctx: TaskContext) -> dict[str, float]:
         t = ctx.cfg.task
         cap = ctx.limit or 10**9

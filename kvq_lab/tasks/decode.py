@@ -100,7 +100,8 @@ def exact_prefill(model, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
 def prefill(model, cache, context: torch.Tensor, exact: bool) -> torch.Tensor:
     """Fill `cache` with the context [B, T0]; -> logits [B, V] of the last context position. `exact`: exact attention
     (the memoized `exact_prefill`), then every layer's K/V handed to the cache, as KIVI's real cache does."""
-    # mode=recompute: its prefill attention is exact too; prefill=quantized: attention reads the cache's K/V
+    # mode=recompute: its prefill attention is exact too; prefill=quantized or policy=fakequant: attention reads the
+    # cache's K/V (`CacheConfig.quantizes_prefill`)
     if (
         not exact
         or getattr(cache, "needs_forward", False)

@@ -65,6 +65,21 @@ class PplTask(Task):
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         return source_inputs(cfg.task, data_dir)
 
+    def positions(self, task_cfg) -> tuple[int, str]:
+        t = task_cfg
+        if t.get("protocol") == "chunks":
+            return t.get("n_ctx"), "task.n_ctx"
+        c, e = t.get("context_tokens"), t.get("eval_tokens")
+        return c + e, f"a window, task.context_tokens + task.eval_tokens = {c} + {e}"
+
+    def prompt_prefill(self, task_cfg, cache) -> str:
+        """task.prefill=exact hands the cache the exact K/V of the context, unless the cache quantizes the prompt
+        (`prefill=quantized`, `policy=fakequant`): then, as with task.prefill=cache and protocol=chunks, the context's
+        forward goes through the cache (`kvq_lab.tasks.decode.prefill`)."""
+        if task_cfg.get("protocol") != "chunks" and task_cfg.get("prefill") == "exact" and not cache.quantizes_prefill:
+            return "exact"
+        return super().prompt_prefill(task_cfg, cache)
+
     def run(self, ctx: TaskContext) -> dict[str, float]:
         if str(ctx.cfg.task.get("protocol")) == "chunks":
             from kvq_lab.tasks.chunks import run_chunks_ppl

@@ -98,6 +98,13 @@ class ProbeTask(Task):
         if n is not None and s.n_prompts > n:
             raise ConfigError(f"task.n_prompts={s.n_prompts} but data_dir={data_dir} has {n} CoQA stories; use <= {n}")
 
+    def positions(self, task_cfg) -> tuple[int, str]:
+        return _settings(task_cfg).max_tokens, "task.max_tokens"
+
+    def prompt_prefill(self, task_cfg, cache) -> None:
+        """The probes measure the quantizers on K/V captured in one exact forward: no prompt goes through a cache."""
+        return None
+
     def run(self, ctx: TaskContext) -> dict[str, float]:
         s = _settings(ctx.cfg.task)
         n = min(s.n_prompts, ctx.limit) if ctx.limit else s.n_prompts

@@ -302,7 +302,7 @@ class RetrievalTask(Task):
         samples = _int(t, "samples", 1)
         _int(t, "seed", 0)
         new = _int(t, "max_new_tokens", 1)
-        ctx_tokens = _int(t, "context_tokens", new + MIN_PROMPT)
+        _int(t, "context_tokens", new + MIN_PROMPT)  # and against the model's positions: `check_positions`
         depth = t.get("depth")
         if depth is not None and (
             isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1
@@ -315,17 +315,20 @@ class RetrievalTask(Task):
         limit = cfg.limit
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > samples:
             raise ConfigError(f"limit={limit} but task.samples={samples}; use limit<={samples} or limit=null")
-        most = cfg.facts.context if cfg.facts is not None else None  # max_position_embeddings, from its files
-        if most is not None and ctx_tokens > most:
-            raise ConfigError(
-                f"task.context_tokens={ctx_tokens} exceeds the model's {most} positions (max_position_embeddings); "
-                f"use task.context_tokens<={most}"
-            )
 
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         t = cfg.task
         keys = ("kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prompt")
         return {"source": "generated", "generator": "kvq_lab.tasks.retrieval", **{k: t.get(k) for k in keys}}
+
+    def positions(self, task_cfg) -> tuple[int, str]:
+        return task_cfg.get("context_tokens"), "task.context_tokens"
+
+    def prompt_prefill(self, task_cfg, cache) -> str:
+        """As task=ppl's: task.prefill=exact hands the cache exact K/V unless the cache quantizes the prompt."""
+        if task_cfg.get("prefill") == "exact" and not cache.quantizes_prefill:
+            return "exact"
+        return super().prompt_prefill(task_cfg, cache)
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         return run_retrieval(ctx)

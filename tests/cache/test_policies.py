@@ -211,6 +211,28 @@ def test_a_batch_needs_the_routed_attention():
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("precision", ["search", "file"])
+@pytest.mark.parametrize("name", TIERED)
+def test_per_layer_precision_with_a_token_policy_is_refused_before_load(name, precision, tmp_path, monkeypatch):
+    """Per-layer (or per-head) bits price and store the mode's own layers; a token policy's tiers give tokens bits of
+    their own. Refused in one line before the load (it crashed after: 'TieredLayer' object has no attribute
+    'k_stream')."""
+    from helpers_models import compose
+
+    from kvq_lab.fit.precision_settings import write_file
+    from kvq_lab.run.config import validate
+
+    loads = []
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: loads.append(a))
+    path = tmp_path / "precision.yaml"
+    write_file(path, [2] * 30, [4] * 30, {})
+    chosen = ["precision.budget=4"] if precision == "search" else [f"precision.path={path}"]
+    cfg = compose([f"policy={name}", f"precision={precision}", *chosen, "logger=none", f"results_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=f"^precision={precision} with policy={name}: the policy's tiers") as e:
+        validate(cfg)
+    assert "\n" not in str(e.value) and not loads
+
+
 @pytest.mark.parametrize("name", TIERED)
 def test_bad_options_fail_in_one_line_naming_the_option(name):
     with pytest.raises(ConfigError, match=f"policy.colour is not an option of policy={name}; its options: score"):

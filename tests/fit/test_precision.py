@@ -200,6 +200,35 @@ def test_bad_settings_fail_before_load(tiny_model_dir, tmp_path, data_dir, no_lo
     assert "\n" not in str(e.value) and not no_load
 
 
+@pytest.mark.parametrize(
+    "overrides,match",
+    [  # each over the codes-and-parameters bound (3 bits at int2 G32), under what the search counts (the issue's
+        # head case: 374 s of sensitivities before this was said)
+        (["precision.granularity=head", "precision.budget=3.5"], r"every head at 2 bits stores 4\.062 bits"),
+        (["precision.budget=4"], r"every layer at 2 bits stores 4\.062 bits"),  # per-channel keys' flush buffer
+        (["mode=packed", "residual_length=128", "precision.budget=8"], r"every layer at 2 bits stores 11\.12 bits"),
+    ],
+)
+def test_an_unreachable_budget_fails_before_load(tiny_model_dir, tmp_path, data_dir, no_load, overrides, match):
+    """The bound before the load counts what the search's bytes count (exact windows, sinks, flush buffers, per head),
+    from the model's files: the same packed layer, filled the same way (`shape_costs`)."""
+    args = tiny_args(tiny_model_dir, tmp_path, data_dir) + ["precision=search", "bits=2", *overrides]
+    with pytest.raises(ConfigError, match=f"precision.budget=.* cannot be met: {match}") as e:
+        validate(compose(args))
+    assert "\n" not in str(e.value) and not no_load
+
+
+@pytest.mark.parametrize("rope", ["post", "pre"])
+@pytest.mark.parametrize("unit", ["layer", "head"])
+def test_the_bound_before_load_counts_the_searchs_bytes(model3, rope, unit):
+    """`shape_costs` from the model's shape (its files) == `measure_costs` on the loaded model, byte for byte (rope=pre:
+    a stand-in rotary module; the bytes do not depend on its frequencies)."""
+    base = CacheConfig(mode="packed", residual_length=32, sink_tokens=4, rope=rope)
+    loaded = precision.measure_costs(model3, base, [2, 4, 8], 128, unit)
+    shape = (3, model3.config.num_key_value_heads, model3.config.head_dim)
+    assert precision.shape_costs(shape, "float32", base, [2, 4, 8], 128, unit) == loaded
+
+
 def test_not_a_precision_file(tiny_model_dir, tmp_path, data_dir, no_load):
     bad = tmp_path / "x.yaml"
     bad.write_text("key_bits: [2]\n")

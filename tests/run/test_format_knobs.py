@@ -86,3 +86,22 @@ def test_cli_names_both_knobs_in_one_line(tmp_path):
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: format=fp8_e4m3 takes 8 bits; key_bits=2 conflicts")
+
+
+def test_mxfp4_with_backend_auto_warns_once_that_it_takes_the_pytorch_path(monkeypatch, recwarn, tmp_path):
+    """The C kernel cannot read mxfp4 (its E8M0 scale reads as fp32): `backend=auto` resolves to torch before the
+    load, says so once as the README promises, and the record names the backend that runs. Before, the run resolved
+    `auto` to torch silently and the warning of the layers' backend selection never came."""
+    from kvq_lab.cache import backends
+    from kvq_lab.kernels import cpu_kernel
+
+    if cpu_kernel.build_error() is not None:
+        pytest.skip("the C kernel does not build here: auto takes the PyTorch path for every format")
+    monkeypatch.setattr(backends, "_WARNED", set())
+    overrides = ["quant=mxfp4", "mode=packed", "logger=none", f"results_dir={tmp_path}", "task=ppl"]
+    with pytest.warns(UserWarning, match=r"^backend=auto: the \w+ kernels cannot read format=mxfp4; the packed cache "):
+        plan = validate(compose(overrides))
+    assert plan.cache.backend == "torch"
+    n = len(recwarn)
+    validate(compose(overrides))
+    assert len(recwarn) == n  # once per process

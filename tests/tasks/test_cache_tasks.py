@@ -156,7 +156,7 @@ def test_smollm2_at_16_bits_finds_the_needle_at_512_tokens(data_dir, tmp_path):
     [
         ("task.kind=haystack", "task.kind='haystack'"),
         ("task.depth=1.5", "task.depth=1.5"),
-        ("task.context_tokens=8192", "exceeds the model's 4096 positions"),
+        ("task.context_tokens=8192", "task.context_tokens = 8192 tokens, past model=.*.s 4096 positions"),
         ("task.context_tokens=100", r"task.context_tokens=100 must be an integer >= 140"),
         ("limit=20", "limit=20 but task.samples=10"),
         ("task.prompt=html", "task.prompt='html'; choose one of: chat, plain"),

@@ -6,10 +6,11 @@ A policy is one file in this folder plus one import line in `builtin`, chosen wi
 
 - `kivi` (the default) adds nothing: the cache's mode stores every token as `mode` says (KIVI's streaming in packed
   mode: exact sinks and window, whole groups flushed; Table 1's fake quant of every token in simulated mode; the
-  prompt's forward as `prefill` says). `fakequant` is Table 1's fake quant by name: simulated mode's layers, with
-  the packed cache and an exact prefill refused. Their `tiers` are None and the cache builds the mode's layers
-  unchanged, so today's outputs are today's (tests/cache/test_policies.py checks them bit for bit against outputs
-  saved before policies existed: KIVI's streaming through `kivi`, Table 1 through both).
+  prompt's forward as `prefill` says). `fakequant` is Table 1's fake quant by name: simulated mode's layers, the
+  prompt quantized on every task (`quantizes_prompt`), the packed cache and an exact prefill refused. Their `tiers`
+  are None and the cache builds the mode's layers unchanged, so today's outputs are today's
+  (tests/cache/test_policies.py checks them bit for bit against outputs saved before policies existed: KIVI's
+  streaming through `kivi`, Table 1 through both).
 - a `TokenPolicy` splits the prompt, once it has been through the model: the first `sink_tokens` and the last
   `window` tokens stay with the mode's own layer (which then takes the generated tokens too, streaming as `mode`
   says); the tokens between them are ranked by a score (`kvq_lab.cache.policies.scores`: `knorm`, `attention`,
@@ -55,6 +56,9 @@ class Policy:
     # DynamicCache (the registry-driven tests check it)
     lossless: ClassVar[dict] = {}
     modes: ClassVar[tuple[str, ...]] = ("simulated", "packed")  # the cache modes it runs in (`check` refuses others)
+    # the prompt's forward reads the quantized K/V on every task (`CacheConfig.quantizes_prefill`), as
+    # `prefill=quantized` says: tasks that would hand the cache exact K/V forward the prompt through it instead
+    quantizes_prompt: ClassVar[bool] = False
 
     def tiers(self, cache) -> tuple[Tier, ...] | None:
         """The tiers of the ranked tokens, or None: the mode's layers store every token (kivi)."""
