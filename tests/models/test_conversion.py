@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_models import compose, tiny_args
 
 from kvq_lab.models.loading import EMBEDDED, embedded_gguf
-from kvq_lab.models.numerics import PINNED, pin_blas, unpinned_inputs
+from kvq_lab.models.numerics import PINNED
 
 REPO = Path(__file__).resolve().parents[2]
 DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
@@ -52,19 +53,23 @@ def test_the_converting_run_gives_the_numbers_of_every_later_run(name, tmp_path)
     assert first["blas"] == later["blas"] == PINNED
 
 
-def test_a_process_that_used_mkl_before_pinning_keys_runs_by_thread_count():
-    """In a process where MKL computed before kvq_lab could pin it (this test session), the run key carries what
-    then changes the numbers; a fresh process (run.py) pins it and adds nothing."""
-    import torch
+def test_a_process_that_used_mkl_before_pinning_keys_runs_by_thread_count(monkeypatch, tmp_path, tiny_model_dir):
+    """Where MKL computed before kvq_lab could pin it, the run key carries what then changes the numbers (the mode and
+    the thread count); pinned (run.py's fresh processes, the test above, this session: tests/conftest.py), nothing, so
+    the run keys of pinned runs are those of records made before the rule."""
+    from kvq_lab.models import numerics
+    from kvq_lab.run.config import validate
 
-    torch.randn(8, 8) @ torch.randn(8, 8)
-    state = pin_blas()
-    extra = unpinned_inputs()
-    if state == PINNED:  # pinned by an earlier test of this session, or MKL_CBWR=AUTO,STRICT in the environment
-        assert extra == {}
-    else:
-        assert extra["blas"] == state and (state.endswith("STRICT") or extra["threads"] == torch.get_num_threads())
-    code = "from kvq_lab.models.numerics import pin_blas, unpinned_inputs; print(pin_blas(), unpinned_inputs())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    if torch.backends.mkl.is_available():
-        assert out.strip() == f"{PINNED} {{}}"
+    cfg = compose(tiny_args(tiny_model_dir, tmp_path, DATA_DIR))
+    monkeypatch.setattr(numerics, "_state", PINNED)
+    pinned = validate(cfg)
+    assert "numerics" not in pinned.inputs
+    unpinned = "mkl unpinned (MKL was called before kvq_lab could set its reproducible mode)"
+    monkeypatch.setattr(numerics, "_state", unpinned)
+    for threads in (1, 2):
+        monkeypatch.setattr("torch.get_num_threads", lambda n=threads: n)
+        plan = validate(cfg)
+        assert plan.inputs["numerics"] == {"blas": unpinned, "threads": threads}
+        assert plan.run_key != pinned.run_key
+    monkeypatch.setattr(numerics, "_state", "mkl branch 10,STRICT")  # MKL_CBWR=AVX2,STRICT from the environment
+    assert validate(cfg).inputs["numerics"] == {"blas": "mkl branch 10,STRICT"}  # strict: threads change nothing
