@@ -218,6 +218,7 @@ def test_per_layer_precision_with_a_token_policy_is_refused_before_load(name, pr
     their own. Refused in one line before the load (it crashed after: 'TieredLayer' object has no attribute
     'k_stream')."""
     from helpers_models import compose
+    from omegaconf import open_dict
 
     from kvq_lab.fit.precision_settings import write_file
     from kvq_lab.run.config import validate
@@ -227,7 +228,9 @@ def test_per_layer_precision_with_a_token_policy_is_refused_before_load(name, pr
     path = tmp_path / "precision.yaml"
     write_file(path, [2] * 30, [4] * 30, {})
     chosen = ["precision.budget=4"] if precision == "search" else [f"precision.path={path}"]
-    cfg = compose([f"policy={name}", f"precision={precision}", *chosen, "logger=none", f"results_dir={tmp_path}"])
+    cfg = compose([f"precision={precision}", *chosen, "logger=none", f"results_dir={tmp_path}"])
+    with open_dict(cfg):  # the policy by its registry name: a contributor's policy may have no conf file yet
+        cfg.policy = {"name": name}
     with pytest.raises(ConfigError, match=f"^precision={precision} with policy={name}: the policy's tiers") as e:
         validate(cfg)
     assert "\n" not in str(e.value) and not loads

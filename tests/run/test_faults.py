@@ -360,7 +360,7 @@ def _late_inputs(tmp: Path, tiny: Path) -> list[tuple[list[str], str]]:
         (["key_format=nuq", "calibration=file", f"calibration.path={short}"], "has 9 tokens; calibration.tokens=2048"),
         (["model=hub", f"model.path={tiny}", "precision=file", f"precision.path={three}"],
          "gives 3 layers but the model has 2"),
-        (["precision=search", "precision.budget=4", "precision.source=file", f"precision.path={short}"],
+        (["precision=search", "precision.budget=5", "precision.source=file", f"precision.path={short}"],
          "precision.source=file has 9 tokens; lower precision.tokens=512"),
     ]  # fmt: skip
 
