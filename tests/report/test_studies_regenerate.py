@@ -73,6 +73,16 @@ def test_the_tables_that_need_the_model_regenerate(study, monkeypatch):
     regenerate(study, MODEL_STUDIES[study], monkeypatch)
 
 
+@pytest.mark.parametrize("study", sorted(TABLES) + ["recompute"])  # recompute's rows need no model; its bytes do
+def test_a_study_gives_its_rows_as_a_dataframe(study, monkeypatch):
+    import pandas as pd
+
+    monkeypatch.chdir(REPO)
+    mod = load(study)
+    df = mod.rows(mod.records(EXP / study))
+    assert isinstance(df, pd.DataFrame) and len(df) > 0 and len(df.columns) > 1
+
+
 def test_every_registered_study_is_checked_here():
     assert set(STUDIES) == set(TABLES) | set(MODEL_STUDIES)
 

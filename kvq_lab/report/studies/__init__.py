@@ -6,7 +6,9 @@ A study module exposes
   benchmark records (`bench_runs`), which name no model;
 - `records(folder) -> R`: its records, read through the one verified reader (`kvq_lab.report.study`) from `folder`
   (experiments/<study>; a study that also reads a sibling study's records finds it beside `folder`);
-- `tables(R) -> {file name: text}`: each table, by its path relative to `folder` (empty for a figure-only study);
+- `rows(R) -> pandas.DataFrame`: the study's numbers, one line per table row (`studies.frame`), for notebooks;
+- `tables(R) -> {file name: text}`: each table, by its path relative to `folder` (empty for a figure-only study),
+  formatted from the records as committed (each regenerates byte for byte: tests/report/test_studies_regenerate.py);
 - optionally `figure(R, folder)`: writes its PNG(s) into `folder`, and `text(R) -> str`: what the command prints
   beside the files (a README's tables that no file holds).
 

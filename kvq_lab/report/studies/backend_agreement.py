@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
@@ -46,3 +47,8 @@ def figure(recs: list[dict], folder: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(Path(folder) / "backends.png", dpi=80)
+
+
+def rows(recs: list[dict]):
+    """One line per (bits, residual length, backend): its decode perplexity."""
+    return frame({"bits": b, "residual_length": r, "backend": k, "ppl": v} for (b, r, k), v in ppl(recs).items())

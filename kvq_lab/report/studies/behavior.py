@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import newest, read
 
 MODELS = ("smollm2-135m",)
@@ -16,7 +17,7 @@ def records(folder: Path) -> list[dict]:
     return read(folder, MODELS)
 
 
-def rows(recs: list[dict]) -> dict[str, dict]:
+def by_cache(recs: list[dict]) -> dict[str, dict]:
     """cache label -> its newest completed record."""
     return newest(recs, lambda r: r["cache"])
 
@@ -24,7 +25,7 @@ def rows(recs: list[dict]) -> dict[str, dict]:
 def tables(recs: list[dict]) -> dict[str, str]:
     head = [f"{s} {c}" for s in ("harmful", "neutral") for c in COLS]
     lines = ["| cache | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
-    for label, r in rows(recs).items():
+    for label, r in by_cache(recs).items():
         m = r["metrics"]
         cells = [m[f"behavior/{s}/{c}"] for s in ("harmful", "neutral") for c in COLS]
         lines.append(f"| `{label}` | " + " | ".join(f"{v:.3g}" for v in cells) + " |")
@@ -38,13 +39,13 @@ def figure(recs: list[dict], folder: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_cache = rows(recs)
+    latest = by_cache(recs)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    labels = list(by_cache)
+    labels = list(latest)
     panels = (("rouge_l", "ROUGE-L vs 16-bit"), ("prefix_tokens", "common prefix (tokens)"))
     for ax, (metric, name) in zip(axes, panels, strict=True):
         for j, prompts in enumerate(("harmful", "neutral")):
-            values = [by_cache[c]["metrics"][f"behavior/{prompts}/{metric}"] for c in labels]
+            values = [latest[c]["metrics"][f"behavior/{prompts}/{metric}"] for c in labels]
             ax.bar([i + 0.4 * j for i in range(len(labels))], values, width=0.4, label=f"{prompts} prompts")
         ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=7)
         ax.set_title(name, fontsize=9)
@@ -52,3 +53,8 @@ def figure(recs: list[dict], folder: Path) -> None:
     fig.suptitle("SmolLM2-135M-Instruct, greedy 48 tokens, 20 prompts a set", fontsize=9)
     fig.tight_layout()
     fig.savefig(Path(folder) / "drift.png", dpi=100)
+
+
+def rows(recs: list[dict]):
+    """One line per cache: its label and the table's metrics (behavior/<prompts>/<metric>)."""
+    return frame({"cache": c, **r["metrics"]} for c, r in by_cache(recs).items())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import bench_runs
 
 MODELS = None  # benchmark records (bench_runs): SmolLM2-135M's, as the figure's title says
@@ -117,3 +118,8 @@ def text(rows: dict) -> str:
     arith = [r["measured_over_arith"] for by_len in rows.values() for r in by_len.values() if r["measured_over_arith"]]
     ratio = f"peak / storage arithmetic (ours): {min(arith):.4f} - {max(arith):.4f}"
     return "\n\n".join([*readme_tables(rows), ratio])
+
+
+def rows(recs: dict):
+    """One line per (setting, cache, prompt length): the benchmark's row."""
+    return frame({"setting": s, "cache": c, **r} for (s, c), by_len in recs.items() for r in by_len.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import newest, read
 
 MODELS = ("smollm2-135m", "gemma3-270m")  # the curves' model, the long-context part's
@@ -119,3 +120,10 @@ def figure(recs: dict[str, list[dict]], folder: Path) -> None:
     fig.suptitle(f"{any_rec['config']['model']['name']}: fidelity vs context length (packed, R=128, G=32)")
     fig.tight_layout()
     fig.savefig(Path(folder) / "kl_vs_context.png", dpi=110)
+
+
+def rows(recs: dict[str, list[dict]]):
+    """One line per table row: `part` curves (SmolLM2, one per cache) or long (Gemma, one per cache and window)."""
+    curves = [{"part": "curves", "cache": c, **r["metrics"]} for c, r in by_cache(recs["curves"]).items()]
+    long = [{"part": "long", "cache": c, "window": n, **r["metrics"]} for (c, n), r in by_window(recs["long"]).items()]
+    return frame(curves + long)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
@@ -187,3 +188,8 @@ def figure(recs: list[dict], folder: Path) -> None:
     ax.set_title("SmolLM2-135M-Instruct, every cached token quantized (simulated), CoQA stories")
     fig.tight_layout()
     fig.savefig(Path(folder) / "pareto.png", dpi=120)
+
+
+def rows(recs: list[dict]):
+    """One line per cache: the numbers the table shows (per-position and per-turn scores stay out)."""
+    return frame({"cache": label, "name": NAMES.get(label, label), **row} for label, row in collect(recs).items())

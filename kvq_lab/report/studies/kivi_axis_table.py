@@ -22,7 +22,7 @@ from kvq_lab.report.noise import beyond, noise_floor
 from kvq_lab.report.rows import paired_difference
 from kvq_lab.report.studies.paper import study_rows, table
 from kvq_lab.report.study import per_doc, read, samples
-from kvq_lab.report.tables import bar_chart
+from kvq_lab.report.tables import bar_chart, to_frame
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 TABLES = {"smollm2-135m": ".", "gemma3-270m": "gemma3-270m"}  # model -> the subfolder its table and PNG go to
@@ -131,3 +131,10 @@ def tables(recs: dict) -> dict[str, str]:
 def figure(recs: dict, folder: Path) -> None:
     for m, (experiment, rows) in recs["rows"].items():
         bar_chart(rows, Path(folder) / TABLES[m] / f"{experiment}.png", title=experiment)
+
+
+def rows(recs: dict):
+    """Both models' table rows (`to_frame`), with a `model` column."""
+    import pandas as pd
+
+    return pd.concat([to_frame(r).assign(model=m) for m, (_, r) in recs["rows"].items()], ignore_index=True)

@@ -16,6 +16,7 @@ import json
 import re
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
@@ -272,3 +273,11 @@ def plot(points, folder: Path) -> None:
     fig.suptitle("KV cache types: KLD against each side's f16, same GGUF, same chunks")
     fig.tight_layout()
     fig.savefig(Path(folder) / "parity.png", dpi=120)
+
+
+def rows(recs: dict):
+    """One line per cache type compared (n_ctx, K / V, rotation): llama.cpp's mean KLD, kvq_lab's, and kvq_lab's with
+    llama.cpp's kernel floor added (the plot's points)."""
+    points = compare(llama_cpp_rows(recs["folder"] / "llama_cpp")[0], recs["ours"])[1]
+    keys = ("n_ctx", "types", "rotation", "kl_llama_cpp", "kl_kvq", "kl_kvq_with_floor")
+    return frame(dict(zip(keys, p, strict=True)) for p in points)

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from kvq_lab.records.record import read_table
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import newest as newest_of
 from kvq_lab.report.study import read
 
@@ -153,3 +154,12 @@ def tables(recs: dict[str, list[dict]]) -> dict[str, str]:
 def figure(recs: dict[str, list[dict]], folder: Path) -> None:
     retrieval_figure(pooled(recs["retrieval"])[1], folder)
     probe_figure(per_layer(recs["probe"]), folder)
+
+
+def rows(recs: dict[str, list[dict]]):
+    """One line per retrieval cell (model, cache, context length: hits and samples pooled over the seeds)."""
+    cells = pooled(recs["retrieval"])[1]
+    return frame(
+        {"model": m, "cache": c, "context_tokens": n, "hits": h, "n": k}
+        for m, by_cache in cells.items() for c, by_len in by_cache.items() for n, (h, k) in by_len.items()
+    )  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import per_doc, read
 
 MODELS = ("smollm2-135m",)
@@ -145,3 +146,8 @@ def figure(recs: list[dict], folder: Path) -> None:
     ax.set_xlabel(f"CoQA-turns F1 - KIVI's ({rows[BASELINE]['total']:.2f} b), paired ± 1 SE")
     fig.tight_layout()
     fig.savefig(Path(folder) / "bits_vs_quality.png", dpi=120)
+
+
+def rows(recs: list[dict]):
+    """One line per cache: the numbers the table shows (per-position and per-turn scores stay out)."""
+    return frame({"cache": label, "name": NAMES.get(label, label), **row} for label, row in collect(recs).items())

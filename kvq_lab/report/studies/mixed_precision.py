@@ -18,6 +18,7 @@ from kvq_lab.cache.config import CacheConfig
 from kvq_lab.fit import precision
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import per_doc, read
 
 MODELS = ("smollm2-135m",)
@@ -201,3 +202,17 @@ def figure(recs: list[dict], folder: Path) -> None:
     axes[-1, 0].set_xlabel("layer")
     fig.tight_layout()
     fig.savefig(Path(folder) / "per_layer_bits.png", dpi=110)
+
+
+def rows(recs: list[dict]):
+    """One line per table row: label, budget, mean key/value bits, stored bits, F1 (loads the model for the bytes)."""
+    by_bits = collect(recs, load_model())[1]
+    return frame(
+        {
+            **row,
+            "mean_key_bits": mean(row["kb"]),
+            "mean_value_bits": mean(row["vb"]),
+            **{f"ppl_{t}": p for t, p in row["ppl"].items()},
+        }
+        for row in by_bits.values()
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvq_lab.report.anchors import DEFAULT_MODEL
 from kvq_lab.report.rows import Row, load_rows
-from kvq_lab.report.tables import bar_chart, describe, markdown_table
+from kvq_lab.report.tables import bar_chart, describe, markdown_table, to_frame
 
 MODELS = None  # every model's records; a row that mixes two is refused by load_rows (name one: kivi_axis_table)
 
@@ -41,3 +41,8 @@ def tables(recs: tuple[str, list[Row]]) -> dict[str, str]:
 def figure(recs: tuple[str, list[Row]], folder: Path) -> None:
     experiment, rows = recs
     bar_chart(rows, Path(folder) / f"{experiment}.png", title=experiment)
+
+
+def rows(recs: tuple[str, list[Row]]):
+    """The table's rows as a DataFrame (`kvq_lab.report.tables.to_frame`: ours, the paper's, the probes)."""
+    return to_frame(recs[1])

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvq_lab.report.noise import beyond, noise_floor
 from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import newest as newest_of
 from kvq_lab.report.study import per_doc, read, samples
 
@@ -260,3 +261,8 @@ def tables(recs: dict) -> dict[str, str]:
     body, tables = recs["readme"], text(recs)
     a, b = body.index(MARKERS[0]), body.index(MARKERS[1])
     return {"table.md": tables + "\n", "README.md": body[: a + len(MARKERS[0])] + "\n" + tables + "\n" + body[b:]}
+
+
+def rows(recs: dict):
+    """One line per (model, task, cache): the newest record's metrics (the tables' inputs)."""
+    return frame({"model": m, "task": t, "cache": c, **r["metrics"]} for (m, t, c), r in newest(recs["runs"]).items())

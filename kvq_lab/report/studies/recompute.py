@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
@@ -85,3 +86,12 @@ def tables(recs: list[dict], model=None, tokens: int = TOKENS) -> dict[str, str]
         res.append((bits, "| " + " | ".join(map(str, cells)) + " |"))
     out += [line for _, line in sorted(res, key=lambda t: t[0])]
     return {"table.md": "\n".join(out) + "\n"}
+
+
+def rows(recs: list[dict]):
+    """One line per decode-ppl record: its cache, mode, bits, rank and perplexity (the bytes need the model: tables)."""
+    return frame(
+        {"cache": r["cache"], "mode": r["cache_config"]["mode"], "bits": r["cache_config"]["key"]["bits"],
+         "rank": r["cache_config"].get("recompute_rank"), "ppl": r["metrics"]["ppl/ppl"]}
+        for r in recs if "ppl/ppl" in r["metrics"]
+    )  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import bench_runs
 
 
@@ -57,3 +58,8 @@ def figure(runs: list[tuple[str, dict]], folder: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(Path(folder) / "throughput.png", dpi=110)
+
+
+def rows(runs: list[tuple[str, dict]]):
+    """One line per row of every run (its file name in `run`)."""
+    return frame({"run": name, **r} for name, data in runs for r in data["rows"])
