@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
-from kvq_lab.models.loading import cache_kwarg, load_model  # noqa: E402
-from kvq_lab.quant import QuantSpec  # noqa: E402
-from kvq_lab.quant.reference import dequantize, quantize, step_size  # noqa: E402
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.models.loading import cache_kwarg, load_model
+from kvq_lab.quant import QuantSpec
+from kvq_lab.quant.reference import dequantize, quantize, step_size
 
 QUANT = {  # conf/quant presets used by the axis table
     "2bit_KC_VT": ("channel", "token", 2),

@@ -20,31 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kvq_lab.report.studies.llama_cpp_parity import parse  # the logs' statistics, as the table reads them
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 TYPES = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q4_1"), ("q5_0", "q5_0"), ("q5_1", "q5_1"),
          ("iq4_nl", "iq4_nl"), ("q8_0", "q4_0")]  # fmt: skip
-STATS = {  # log line -> key, as llama.cpp prints them
-    "Mean PPL(Q)": "ppl",
-    "Mean PPL(base)": "ref_ppl",
-    "Mean ln(PPL(Q)/PPL(base))": "ln_ppl_ratio",
-    "Mean    KLD": "kl_mean",
-    "99.0%   KLD": "kl_p99",
-    "Same top p": "top1_agree",
-    "RMS Δp": "dp_rms",
-}
 
 
 def text_file(scratch: Path) -> Path:
     """The CoQA stories as kvq_lab's task.source=coqa_stories reads them."""
-    sys.path.insert(0, str(REPO))
     from omegaconf import OmegaConf
 
     from kvq_lab.tasks.text import source_text
@@ -55,21 +46,6 @@ def text_file(scratch: Path) -> Path:
     out = scratch / "coqa_stories.txt"
     out.write_text(source_text(t, data))
     return out
-
-
-def parse(log: str) -> dict[str, float]:
-    """The final statistics of a --kl-divergence log (value, and its ± where printed)."""
-    row: dict[str, float] = {}
-    for line in log.splitlines():
-        for label, key in STATS.items():
-            if line.startswith(label + " ") or line.startswith(label + ":"):
-                value = line.split(":", 1)[1]
-                nums = re.findall(r"[-+]?\d+\.\d+", value)
-                scale = 0.01 if "%" in value else 1.0  # percentages, as kvq_lab's fractions
-                row[key] = float(nums[0]) * scale
-                if len(nums) > 1:
-                    row[key + "_unc"] = float(nums[1]) * scale
-    return row
 
 
 def main() -> int:
@@ -88,7 +64,6 @@ def main() -> int:
     if not binary:
         print("error: llama-perplexity is not built; run: python scripts/llama_cpp.py build", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO))
     from kvq_lab.models.loading import embedded_gguf
 
     gguf = str(embedded_gguf("smollm2-135m"))

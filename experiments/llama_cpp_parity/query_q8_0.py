@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-sys.path.insert(0, str(REPO))
 CALLS = [0]  # attention calls whose query went through q8_0
 KEEP = ("kl_mean", "kl_mean_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc", "top1_agree")
 

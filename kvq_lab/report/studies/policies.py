@@ -1,5 +1,5 @@
-"""Tables and figure of the policies study from its records (run from the repo root: python
-experiments/policies/make_table.py) -> table.md and policies.png.
+"""Tables and figure of the policies study from its records (python -m kvq_lab.report policies) -> table.md,
+the README's Result section and policies.png.
 
 Three tables: the policies at equal stored bytes (SmolLM2: CoQA-turns, fidelity, retrieval), the prompt's prefill
 exact vs quantized for KIVI's six axis rows (CoQA-turns, all turns; the quantized rows are the KIVI table's records,
@@ -19,21 +19,18 @@ zero than each rounding-only difference plus two of its standard errors, and tha
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
+from kvq_lab.report.noise import beyond, noise_floor
+from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import newest as newest_of
+from kvq_lab.report.study import per_doc, read, samples
 
-from kvq_lab.report.noise import beyond, noise_floor  # noqa: E402
-from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
-from kvq_lab.report.study import newest as newest_of  # noqa: E402
-from kvq_lab.report.study import per_doc, read, samples  # noqa: E402
-
-AXIS_TABLE = HERE.parent / "kivi_axis_table"
+AXIS_TABLE = "kivi_axis_table"  # the sibling study whose records give the prefill table its quantized rows
 MODELS = ("smollm2-135m", "gemma3-270m")
 POLICIES = ("kivi", "saliency", "mikv", "evict")
-MARKERS = ("<!-- tables: make_table.py -->", "<!-- /tables -->")
+MARKERS = ("<!-- tables: python -m kvq_lab.report policies -->", "<!-- /tables -->")
 
 
 def budget(rec: dict) -> str:
@@ -197,7 +194,8 @@ def gemma_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
-def figure(rows: dict) -> None:
+def figure(recs: dict, folder: Path) -> None:
+    rows = equal_bytes(newest(recs["runs"]))[1]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,18 +227,22 @@ def figure(rows: dict) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("SmolLM2-135M: policies at equal stored bytes", fontsize=10)
     fig.tight_layout()
-    fig.savefig(HERE / "policies.png", dpi=110)
+    fig.savefig(Path(folder) / "policies.png", dpi=110)
 
 
-def records() -> tuple[list[dict], ...]:
-    """(this study's records, the KIVI axis table's, and the noise/ reruns of each, SmolLM2's: [] until made)."""
-    noise = [read(f / "noise", MODELS[:1]) if (f / "noise" / "runs").is_dir() else [] for f in (HERE, AXIS_TABLE)]
-    return read(HERE, MODELS), read(AXIS_TABLE, MODELS), *noise
+def records(folder: Path) -> dict:
+    """This study's records (`runs`), the KIVI axis table's beside it (`axis`), the noise/ reruns of each, SmolLM2's
+    (`noise`, `axis_noise`: [] until made), and the README whose Result section holds the tables (`readme`)."""
+    folder = Path(folder)
+    axis = folder.parent / AXIS_TABLE
+    noise = [read(f / "noise", MODELS[:1]) if (f / "noise" / "runs").is_dir() else [] for f in (folder, axis)]
+    recs = {"runs": read(folder, MODELS), "axis": read(axis, MODELS), "noise": noise[0], "axis_noise": noise[1]}
+    return {**recs, "readme": (folder / "README.md").read_text()}
 
 
-def text(recs: tuple[list[dict], ...]) -> str:
-    runs, axis_runs = newest(recs[0]), newest(recs[1])
-    noise, axis_noise = recs[2:4] if len(recs) > 2 else ([], [])
+def text(recs: dict) -> str:
+    runs, axis_runs = newest(recs["runs"]), newest(recs["axis"])
+    noise, axis_noise = recs["noise"], recs["axis_noise"]
     eq, _ = equal_bytes(runs, noise)
     return "\n\n".join(
         [
@@ -254,20 +256,13 @@ def text(recs: tuple[list[dict], ...]) -> str:
     )
 
 
-def tables(recs: tuple[list[dict], ...]) -> dict[str, str]:
+def tables(recs: dict) -> dict[str, str]:
     """{file name here: its text}: table.md, and the README with the same tables between its markers."""
-    body, tables = (HERE / "README.md").read_text(), text(recs)
+    body, tables = recs["readme"], text(recs)
     a, b = body.index(MARKERS[0]), body.index(MARKERS[1])
     return {"table.md": tables + "\n", "README.md": body[: a + len(MARKERS[0])] + "\n" + tables + "\n" + body[b:]}
 
 
-def main() -> None:
-    recs = records()
-    for name, out in tables(recs).items():
-        (HERE / name).write_text(out)
-    print(text(recs))
-    figure(equal_bytes(newest(recs[0]))[1])
-
-
-if __name__ == "__main__":
-    main()
+def rows(recs: dict):
+    """One line per (model, task, cache): the newest record's metrics (the tables' inputs)."""
+    return frame({"model": m, "task": t, "cache": c, **r["metrics"]} for (m, t, c), r in newest(recs["runs"]).items())

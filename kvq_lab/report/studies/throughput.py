@@ -1,21 +1,17 @@
-"""Aggregate decode tok/s vs batch from bench_throughput's JSON runs -> throughput.png and table.md (run from the repo
-root: python experiments/throughput/make_figure.py). One line per cache, its budget batch marked; the table pools
-nothing: one block per run (records/*.json, read by `kvq_lab.report.study.bench_runs`), so the repeated runs' ratios
-stand side by side."""
+"""Aggregate decode tok/s vs batch from bench_throughput's JSON runs -> throughput.png and table.md (python -m
+kvq_lab.report throughput). One line per cache, its budget batch marked; the table pools nothing: one block per run
+(records/*.json, read by `kvq_lab.report.study.bench_runs`), so the repeated runs' ratios stand side by side."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
-
-from kvq_lab.report.study import bench_runs  # noqa: E402
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import bench_runs
 
 
-def records() -> list[tuple[str, dict]]:
-    return bench_runs(HERE)
+def records(folder: Path) -> list[tuple[str, dict]]:
+    return bench_runs(folder)
 
 
 def tables(runs: list[tuple[str, dict]]) -> dict[str, str]:
@@ -39,15 +35,7 @@ def tables(runs: list[tuple[str, dict]]) -> dict[str, str]:
     return {"table.md": "\n".join(lines)}
 
 
-def main() -> None:
-    runs = records()
-    for name, text in tables(runs).items():
-        (HERE / name).write_text(text)
-        print(text)
-    figure(runs)
-
-
-def figure(runs: list[tuple[str, dict]]) -> None:
+def figure(runs: list[tuple[str, dict]], folder: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,9 +57,9 @@ def figure(runs: list[tuple[str, dict]]) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(HERE / "throughput.png", dpi=110)
-    print(f"wrote {HERE / 'throughput.png'}")
+    fig.savefig(Path(folder) / "throughput.png", dpi=110)
 
 
-if __name__ == "__main__":
-    main()
+def rows(runs: list[tuple[str, dict]]):
+    """One line per row of every run (its file name in `run`)."""
+    return frame({"run": name, **r} for name, data in runs for r in data["rows"])

@@ -1,4 +1,4 @@
-"""Table and figure of experiments/field_methods from its run records (python experiments/field_methods/table.py).
+"""Table and figure of experiments/field_methods from its run records (python -m kvq_lab.report field_methods).
 
 One row per cache (its label): stored bits per element of everything it keeps (`cache/bits_total`), the fidelity
 task's KL(16-bit || cache) mean and p99 and top-1 agreement (4 CoQA windows x 256 decoded tokens), each row's KL minus
@@ -13,13 +13,10 @@ table.md and pareto.png here.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
-
-from kvq_lab.report.study import read  # noqa: E402
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
 
@@ -87,9 +84,9 @@ QUESTIONS = {  # question -> (a, b) pairs: b minus a
 }
 
 
-def records() -> list[dict]:
+def records(folder: Path) -> list[dict]:
     """Every completed record of the study's model made from a clean tree, oldest first."""
-    return read(HERE, MODELS, clean=True)
+    return read(folder, MODELS, clean=True)
 
 
 def block_paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
@@ -166,19 +163,8 @@ def tables(recs: list[dict]) -> dict[str, str]:
     return {"table.md": "\n".join(lines) + "\n"}
 
 
-def main() -> None:
-    recs = records()
-    for name, text in tables(recs).items():
-        (HERE / name).write_text(text)
-        print(text, end="")
+def figure(recs: list[dict], folder: Path) -> None:
     rows = collect(recs)
-    for label, row in rows.items():
-        if "git" in row:
-            print(f"fidelity {label}: git {row['git'][:12]}")
-    figure(rows)
-
-
-def figure(rows: dict[str, dict]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,8 +187,9 @@ def figure(rows: dict[str, dict]) -> None:
     ax.legend(fontsize=8)
     ax.set_title("SmolLM2-135M-Instruct, every cached token quantized (simulated), CoQA stories")
     fig.tight_layout()
-    fig.savefig(HERE / "pareto.png", dpi=120)
+    fig.savefig(Path(folder) / "pareto.png", dpi=120)
 
 
-if __name__ == "__main__":
-    main()
+def rows(recs: list[dict]):
+    """One line per cache: the numbers the table shows (per-position and per-turn scores stay out)."""
+    return frame({"cache": label, "name": NAMES.get(label, label), **row} for label, row in collect(recs).items())

@@ -1,7 +1,7 @@
-"""Table of experiments/recompute from its run records (python experiments/recompute/table.py).
+"""Table of experiments/recompute from its run records (python -m kvq_lab.report recompute).
 
 Rows: recompute (bits x rank) and the packed KV cache (bits), with decode ppl and the bytes each stores per token
-and layer, measured with the cache's own nbytes() after a prefill of `--tokens` tokens (the ppl windows' length) on
+and layer, measured with the cache's own nbytes() after a prefill of TOKENS tokens (the ppl windows' length) on
 SmolLM2, and the same as bits per K/V element (2 x 3 KV heads x 64 = 384 K/V values per token and layer).
 
 The bytes are measured on the model's first decoder layer alone (the model cut to it, logits of the last position
@@ -13,22 +13,17 @@ checked against its digest); the newest completed record of a cache wins.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[1] / "scripts")]
-
-from cli_args import Parser  # noqa: E402
-
-from kvq_lab.report.study import read  # noqa: E402
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
 TOKENS = 768  # the ppl windows' length (512 prefilled + 256 scored): where the bytes are counted
 
 
-def records() -> list[dict]:
-    return read(HERE, MODELS, where={"config.task.name": "ppl"})
+def records(folder: Path) -> list[dict]:
+    return read(folder, MODELS, where={"config.task.name": "ppl"})
 
 
 def one_layer_model():
@@ -39,7 +34,7 @@ def one_layer_model():
     cfg = model.config
     shapes = {tuple(p.shape for p in layer.self_attn.parameters()) for layer in model.model.layers}
     if len(shapes) != 1 or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ["full_attention"]):
-        raise SystemExit("recompute/table.py: the model's layers differ; one layer's bytes do not stand for all")
+        raise SystemExit("recompute: the model's layers differ; one layer's bytes do not stand for all")
     model.model.layers = model.model.layers[:1]
     cfg.num_hidden_layers = 1
     if getattr(cfg, "layer_types", None):
@@ -93,16 +88,10 @@ def tables(recs: list[dict], model=None, tokens: int = TOKENS) -> dict[str, str]
     return {"table.md": "\n".join(out) + "\n"}
 
 
-def main() -> None:
-    ap = Parser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=TOKENS, help="prefill length at which bytes are counted")
-    args = ap.parse_args()
-    if args.tokens < 1:
-        ap.error(f"--tokens {args.tokens}: count the bytes after at least one token")
-    for name, text in tables(records(), tokens=args.tokens).items():
-        (HERE / name).write_text(text)
-        print(text, end="")
-
-
-if __name__ == "__main__":
-    main()
+def rows(recs: list[dict]):
+    """One line per decode-ppl record: its cache, mode, bits, rank and perplexity (the bytes need the model: tables)."""
+    return frame(
+        {"cache": r["cache"], "mode": r["cache_config"]["mode"], "bits": r["cache_config"]["key"]["bits"],
+         "rank": r["cache_config"].get("recompute_rank"), "ppl": r["metrics"]["ppl/ppl"]}
+        for r in recs if "ppl/ppl" in r["metrics"]
+    )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Table and figure of experiments/methods from its run records (python experiments/methods/table.py).
+"""Table and figure of experiments/methods from its run records (python -m kvq_lab.report methods).
 
 One row per cache (its label), with the stored bits per element of everything it keeps (`cache/bits_total`: codes,
 scales/zeros, codebooks, outliers and their indices, the exact window, at the ppl task's length), the format's own
@@ -12,14 +12,11 @@ table.md and bits_vs_quality.png here.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))  # kvq_lab of this checkout
-
-from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
-from kvq_lab.report.study import per_doc, read  # noqa: E402
+from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import per_doc, read
 
 MODELS = ("smollm2-135m",)
 
@@ -55,9 +52,9 @@ CONTRASTS = [  # (a, b): the papers' claims as paired CoQA differences, b minus 
 ]
 
 
-def records() -> list[dict]:
+def records(folder: Path) -> list[dict]:
     """Every completed record of the study's model made from a clean tree, oldest first."""
-    return read(HERE, MODELS, clean=True)
+    return read(folder, MODELS, clean=True)
 
 
 def collect(recs: list[dict]) -> dict[str, dict]:
@@ -116,19 +113,8 @@ def tables(recs: list[dict]) -> dict[str, str]:
     return {"table.md": "\n".join(lines) + "\n"}
 
 
-def main() -> None:
-    recs = records()
-    for name, text in tables(recs).items():
-        (HERE / name).write_text(text)
-        print(text, end="")
+def figure(recs: list[dict], folder: Path) -> None:
     rows = collect(recs)
-    for label, row in rows.items():
-        if "coqa_run" in row:
-            print(f"coqa {label}: {row['turns']} turns, git {row['coqa_git'][:12]}, {row['coqa_run'].name}")
-    figure(rows)
-
-
-def figure(rows: dict[str, dict]) -> None:
     order = list(NAMES)
 
     import matplotlib
@@ -159,8 +145,9 @@ def figure(rows: dict[str, dict]) -> None:
     ax.axvline(0, color="gray", ls="--", lw=0.8)
     ax.set_xlabel(f"CoQA-turns F1 - KIVI's ({rows[BASELINE]['total']:.2f} b), paired ± 1 SE")
     fig.tight_layout()
-    fig.savefig(HERE / "bits_vs_quality.png", dpi=120)
+    fig.savefig(Path(folder) / "bits_vs_quality.png", dpi=120)
 
 
-if __name__ == "__main__":
-    main()
+def rows(recs: list[dict]):
+    """One line per cache: the numbers the table shows (per-position and per-turn scores stay out)."""
+    return frame({"cache": label, "name": NAMES.get(label, label), **row} for label, row in collect(recs).items())

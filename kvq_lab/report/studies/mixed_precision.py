@@ -1,4 +1,4 @@
-"""Table and figure of experiments/mixed_precision from its run records (python experiments/mixed_precision/table.py).
+"""Table and figure of experiments/mixed_precision from its run records (python -m kvq_lab.report mixed_precision).
 
 Rows: one per cache (uniform b-bit, or a searched per-layer or per-head assignment), with decode ppl (the full task,
 4 windows x 512 scored tokens, and the quick version's 4 x 256, each where run), CoQA-turns F1 (when run), mean
@@ -11,23 +11,21 @@ stored bits need the model's shapes: the model is loaded (the real SmolLM2, conv
 
 from __future__ import annotations
 
-import sys
+import functools
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent.parent))
-
-from kvq_lab.cache.config import CacheConfig  # noqa: E402
-from kvq_lab.fit import precision  # noqa: E402
-from kvq_lab.quant.spec import QuantSpec  # noqa: E402
-from kvq_lab.report.rows import mean_se, paired_difference  # noqa: E402
-from kvq_lab.report.study import per_doc, read  # noqa: E402
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.fit import precision
+from kvq_lab.quant.spec import QuantSpec
+from kvq_lab.report.rows import mean_se, paired_difference
+from kvq_lab.report.studies.frame import frame
+from kvq_lab.report.study import per_doc, read
 
 MODELS = ("smollm2-135m",)
 
 
-def records() -> list[dict]:
-    return read(HERE, MODELS)
+def records(folder: Path) -> list[dict]:
+    return read(folder, MODELS)
 
 
 def f1_se(rec: dict) -> float | None:
@@ -105,6 +103,7 @@ def spec(d) -> QuantSpec:
     return QuantSpec(d["bits"], d["group_size"], d["axis"], d["format"])
 
 
+@functools.cache
 def load_model():
     from kvq_lab.models.loading import load_model
 
@@ -181,15 +180,8 @@ def collect(recs: list[dict], model) -> tuple[list[str], dict]:
     return lines, rows
 
 
-def main() -> None:
-    lines, rows = collect(records(), load_model())
-    table = "\n".join(lines)
-    print(table)
-    (HERE / "table.md").write_text(table + "\n")
-    figure(rows)
-
-
-def figure(rows: dict) -> None:
+def figure(recs: list[dict], folder: Path) -> None:
+    rows = collect(recs, load_model())[1]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,9 +201,18 @@ def figure(rows: dict) -> None:
         ax.legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel("layer")
     fig.tight_layout()
-    fig.savefig(HERE / "per_layer_bits.png", dpi=110)
-    print(f"wrote {HERE / 'table.md'} and {HERE / 'per_layer_bits.png'}")
+    fig.savefig(Path(folder) / "per_layer_bits.png", dpi=110)
 
 
-if __name__ == "__main__":
-    main()
+def rows(recs: list[dict]):
+    """One line per table row: label, budget, mean key/value bits, stored bits, F1 (loads the model for the bytes)."""
+    by_bits = collect(recs, load_model())[1]
+    return frame(
+        {
+            **row,
+            "mean_key_bits": mean(row["kb"]),
+            "mean_value_bits": mean(row["vb"]),
+            **{f"ppl_{t}": p for t, p in row["ppl"].items()},
+        }
+        for row in by_bits.values()
+    )

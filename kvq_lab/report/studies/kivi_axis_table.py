@@ -1,29 +1,31 @@
-"""The axis table's paired differences with the noise floor beside each (run from the repo root) -> paired.md.
+"""The KIVI axis table (SmolLM2-135M and Gemma-3-270M, six cache rows: 16-bit, 4-bit K-T/V-T and the four 2-bit
+axis pairs on CoQA), and its paired differences with the noise floor beside each.
 
-    python experiments/kivi_axis_table/paired.py
-
-SmolLM2-135M, all 297 CoQA turns, F1 paired turn by turn. Beside each difference: what a rerun of the baseline row
-(2-bit K-C/V-T) that changes only float rounding does to it, `noise=permute:1` (`kvq_lab/models/noise.py`) against
-the same row rerun unperturbed on the same commit, libraries, host and thread count (both under `noise/`), and
-whether the difference lies beyond every floor of that row (`kvq_lab.report.noise.beyond`: further from zero than
-each rounding-only difference plus two of its standard errors, and than two of its own). The second table gives
-every row's floor under each rounding-only rerun the study holds: the permutation (`noise/`), the committed row
-against its unperturbed rerun here (another host and transformers build), prefix reuse (`prefix_reuse/`) and
-continuous batching with reuse (`continuous/`). Records through `kvq_lab.report.study.read` (each checked against
-its digest).
+Writes table.md and kivi_axis_table.png (SmolLM2's rows beside KIVI's Table 1, `kvq_lab.report.studies.paper`),
+gemma3-270m/table.md and its PNG (Gemma's rows: the folder holds both models' runs of the same labels, never mixed),
+and paired.md: all 297 CoQA turns on SmolLM2, F1 paired turn by turn. Beside each difference: what a rerun of the
+baseline row (2-bit K-C/V-T) that changes only float rounding does to it, `noise=permute:1`
+(`kvq_lab/models/noise.py`) against the same row rerun unperturbed on the same commit, libraries, host and thread
+count (both under `noise/`), and whether the difference lies beyond every floor of that row
+(`kvq_lab.report.noise.beyond`: further from zero than each rounding-only difference plus two of its standard
+errors, and than two of its own). paired.md's second table gives every row's floor under each rounding-only rerun
+the study holds: the permutation (`noise/`), the committed row against its unperturbed rerun here (another host and
+transformers build), prefix reuse (`prefix_reuse/`) and continuous batching with reuse (`continuous/`). Records
+through `kvq_lab.report.study.read` (each checked against its digest).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))  # kvq_lab of this checkout
+from kvq_lab.report.noise import beyond, noise_floor
+from kvq_lab.report.rows import paired_difference
+from kvq_lab.report.studies.paper import study_rows, table
+from kvq_lab.report.study import per_doc, read, samples
+from kvq_lab.report.tables import bar_chart, to_frame
 
-from kvq_lab.report.noise import beyond, noise_floor  # noqa: E402
-from kvq_lab.report.rows import paired_difference  # noqa: E402
-from kvq_lab.report.study import per_doc, read, samples  # noqa: E402
+MODELS = ("smollm2-135m", "gemma3-270m")
+TABLES = {"smollm2-135m": ".", "gemma3-270m": "gemma3-270m"}  # model -> the subfolder its table and PNG go to
 
 MODEL = "smollm2-135m"
 BASELINE = "K2b-C32_V2b-T32_sim"
@@ -45,9 +47,9 @@ def fullest(recs: list[dict]) -> dict[str, dict]:
     return best
 
 
-def records() -> dict[str, list[dict]]:
+def paired_records(folder: Path) -> dict[str, list[dict]]:
     """folder (`.` = the table's own runs) -> its SmolLM2 records."""
-    return {f: read(HERE / f, (MODEL,)) for f in (".", "noise", *RERUNS) if (HERE / f / "runs").is_dir()}
+    return {f: read(folder / f, (MODEL,)) for f in (".", "noise", *RERUNS) if (folder / f / "runs").is_dir()}
 
 
 def permuted(noise: list[dict]) -> tuple[dict | None, dict | None]:
@@ -106,22 +108,33 @@ def floors(recs: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def tables(recs: dict[str, list[dict]]) -> dict[str, str]:
-    return {
-        "paired.md": "### Paired F1 differences against the noise floor (SmolLM2-135M, 297 CoQA turns)\n\n"
+def paired_md(recs: dict[str, list[dict]]) -> str:
+    return (
+        "### Paired F1 differences against the noise floor (SmolLM2-135M, 297 CoQA turns)\n\n"
         + paired(recs)
         + "\n\n### Noise floors: rounding-only reruns of each row (rerun - row, paired F1, answers changed)\n\n"
         + floors(recs)
         + "\n"
-    }
+    )
 
 
-def main() -> None:
-    out = tables(records())
-    for name, text in out.items():
-        (HERE / name).write_text(text)
-        print(text)
+def records(folder: Path) -> dict:
+    """{"rows": model -> (experiment, its table's rows), "paired": folder -> SmolLM2's records}."""
+    return {"rows": {m: study_rows(folder, m) for m in TABLES}, "paired": paired_records(folder)}
 
 
-if __name__ == "__main__":
-    main()
+def tables(recs: dict) -> dict[str, str]:
+    out = {str(Path(TABLES[m]) / "table.md"): table(*rows) for m, rows in recs["rows"].items()}
+    return {**out, "paired.md": paired_md(recs["paired"])}
+
+
+def figure(recs: dict, folder: Path) -> None:
+    for m, (experiment, rows) in recs["rows"].items():
+        bar_chart(rows, Path(folder) / TABLES[m] / f"{experiment}.png", title=experiment)
+
+
+def rows(recs: dict):
+    """Both models' table rows (`to_frame`), with a `model` column."""
+    import pandas as pd
+
+    return pd.concat([to_frame(r).assign(model=m) for m, (_, r) in recs["rows"].items()], ignore_index=True)
