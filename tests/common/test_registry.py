@@ -143,3 +143,16 @@ def test_copy_is_independent():
     c.register("b", 2)
     assert list(r) == ["a"] and list(c) == ["a", "b"]
 
+
+def test_every_registry_is_one():
+    """The plug-in registries of kvq_lab are all this type (their own collision rules are gone)."""
+    from kvq_lab.cache.kv_cache import LAYERS  # with the layer modules imported (kv_cache assembles them)
+    from kvq_lab.cache.policies import POLICIES
+    from kvq_lab.plugins import TASKS
+    from kvq_lab.probes.metrics import ERRORS
+    from kvq_lab.quant.formats import FORMATS
+    from kvq_lab.quant.residuals import RESIDUALS
+    from kvq_lab.quant.transforms import TRANSFORMS
+
+    for r in (LAYERS, POLICIES, TASKS, ERRORS, FORMATS, RESIDUALS, TRANSFORMS):
+        assert isinstance(r, Registry) and len(r) > 0, r
