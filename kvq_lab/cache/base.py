@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvq_lab.common.registry import Registry
 from kvq_lab.kernels.torch_path import all_finite
 from kvq_lab.quant.transforms import Pipeline, Positions
 
@@ -125,14 +126,10 @@ class QuantizedLayerBase(DynamicLayer):
         raise NotImplementedError("kvq_lab caches support greedy and sampling decoding, not beam search")
 
 
-LAYERS: dict[str, type[QuantizedLayerBase]] = {}
+LAYERS: Registry[type[QuantizedLayerBase]] = Registry("mode")
 
 
 def register_layer(mode: str):
-    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator adds a mode."""
-
-    def deco(cls):
-        LAYERS[mode] = cls
-        return cls
-
-    return deco
+    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator adds a mode (kv_cache
+    imports the layer modules; a mode another class holds is refused)."""
+    return LAYERS.register(mode)

@@ -5,14 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in cache policies)
 from kvq_lab.cache.policies import get_policy
 from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
-from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
 from kvq_lab.quant.spec import BITS, INT_BITS, QuantConfigError, QuantSpec
 from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
-from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
 MODES = ("simulated", "packed", "recompute")
 ROPE = ("post", "pre")
@@ -24,11 +21,10 @@ SLIDING_WINDOW = "sliding_window"  # skip_layers: the model's sliding-window lay
 def check_format(spec: QuantSpec, bits_name: str = "bits", format_name: str = "format") -> None:
     """One-line QuantConfigError unless the spec's code format exists, takes its bits (fp8: 8) and its options
     (lut: a codebook). `int` without options at one of its widths (`INT_BITS`) needs no registry, so the default
-    config stays free of torch; other formats (and int at a width it does not take) import the registry and its
-    plugins (torch) here."""
+    config stays free of torch; other formats (and int at a width it does not take) look the format up in
+    the registry, which imports its plugin (torch) here."""
     if spec.is_identity or (spec.format == "int" and not spec.format_options() and spec.bits in INT_BITS):
         return
-    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.formats import get_format
 
     get_format(spec.format, spec.bits, bits_name, format_name, **spec.format_options())

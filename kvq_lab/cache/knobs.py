@@ -195,7 +195,6 @@ def _code(k: Mapping, tensor: str) -> tuple[str, int]:
         return fmt, DEFAULT_BITS if bits is None else bits  # int at its widths: no registry (stays torch-free)
     # another format, or int at a width it does not take (5): the registry checks it and names the formats that do
     from kvq_lab.quant.formats import FORMATS, check_bits, default_bits, get_format
-    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
 
     try:
         if not isinstance(fmt, str):
@@ -236,7 +235,6 @@ def _transforms(k: Mapping, tensor: str) -> tuple[str, ...]:
 
 def _residuals(k: Mapping, tensor: str) -> tuple[str, ...]:
     """One tensor's residual corrections: `residual` or `<tensor>_residual` (null or none: none; a list composes)."""
-    from kvq_lab.quant.residuals import builtin as _plugins  # noqa: F401  (registers the built-in corrections)
     from kvq_lab.quant.residuals import check_residuals
 
     both, own = _listed(k.get("residual")), _listed(k.get(f"{tensor}_residual"))

@@ -46,14 +46,14 @@ def what_is_fitted(cache: CacheConfig) -> str | None:
     """The first knob that asks for calibration, for messages (`key_format=nuq`); None when nothing is fitted.
     Formats and transforms say whether they are fitted (their `fitted` flag); key outliers are a cache knob."""
     for t, spec in (("key", cache.key), ("value", cache.value)):
-        fmt = None if spec.is_identity else FORMATS.get(spec.format)
+        fmt = None if spec.is_identity else FORMATS.get(spec.format, None)
         if fmt is not None and fmt.fitted:
             return f"{t}_format={spec.format}"
     if cache.key_outliers and not cache.key.is_identity:
         return f"key_outliers={cache.key_outliers:g}"
     for t in ("key", "value"):
         for s in getattr(cache, f"{t}_transform"):
-            if TRANSFORMS.get(s.partition(":")[0].partition("@")[0]) is not None and get_transform(s).fitted:
+            if s.partition(":")[0].partition("@")[0] in TRANSFORMS and get_transform(s).fitted:
                 return f"{t}_transform={s}"
     return None
 

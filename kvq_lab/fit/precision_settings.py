@@ -81,7 +81,6 @@ def lower_bound_bits(cache: CacheConfig, choices: list[int]) -> float:
         if spec.format == DEFAULT_FORMAT and spec.codebook is None:
             return b + 32 / spec.group_size  # int: fp16 scale and zero per group
         from kvq_lab.quant.formats import bits_per_element
-        from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
         from kvq_lab.quant.reference import code_format
 
         return bits_per_element(code_format(replace(spec, bits=b)), spec.group_size, spec.axis)
@@ -133,7 +132,6 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
 def _check_per_head_bytes(cache: CacheConfig) -> None:
     """granularity=head prices each head's bits alone; a format that stores a table per tensor (lut/nuq codebooks,
     nvfp4's tensor scale) stores one per layer and width, which no per-head price counts exactly."""
-    from kvq_lab.quant.formats import builtin as _formats  # noqa: F401  (registers the built-in formats)
     from kvq_lab.quant.reference import code_format
 
     for tensor in ("key", "value"):

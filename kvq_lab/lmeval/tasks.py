@@ -95,7 +95,7 @@ def _percent(key: str, title: str, per_sample: str | None = None) -> Metric:
     return Metric(key, title, "higher", "%", per_sample)
 
 
-register_task(
+COQA = register_task(
     LmEvalTask(
         "coqa",
         (COQA_DATA,),
@@ -103,7 +103,7 @@ register_task(
         (_percent("coqa/em", "CoQA EM", "em"), _percent("coqa/f1", "CoQA F1", "f1")),
     )
 )
-register_task(
+COQA_TURNS = register_task(
     LmEvalTask(
         "coqa_turns",
         (COQA_DATA,),
@@ -112,7 +112,7 @@ register_task(
         count=_turns,
     )
 )
-register_task(
+GSM8K = register_task(
     LmEvalTask(
         "gsm8k",
         GSM8K_DATA,
@@ -123,7 +123,7 @@ register_task(
         ),
     )
 )
-register_task(
+TRUTHFULQA_GEN = register_task(
     LmEvalTask(
         "truthfulqa_gen",
         (TQA_DATA,),
@@ -217,4 +217,4 @@ class LmEvalAnyTask(Task):
         return metrics
 
 
-register_task(LmEvalAnyTask())
+LM_EVAL = register_task(LmEvalAnyTask())

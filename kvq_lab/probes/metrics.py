@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvq_lab.common.metric import check_direction
+from kvq_lab.common.registry import Registry
 
 from .settings import DEFAULT_KIVI_EPS
 
@@ -98,16 +99,14 @@ class ErrorMetric:
         check_direction(self.name, self.direction)
 
 
-ERRORS: dict[str, ErrorMetric] = {}
+ERRORS: Registry[ErrorMetric] = Registry("error")
 """Error definitions reported side by side, by name (the names used in tables, records and W&B)."""
 
 
 def register_error(m: ErrorMetric) -> ErrorMetric:
-    """Add an error definition: every probe then reports it for every quantity (one line per definition)."""
-    if m.name in ERRORS and ERRORS[m.name] != m:
-        raise ValueError(f"error definition {m.name!r} is already registered")
-    ERRORS[m.name] = m
-    return m
+    """Add an error definition: every probe then reports it for every quantity (one line per definition). A name
+    another definition holds is refused (kvq_lab.common.registry)."""
+    return ERRORS.register(m.name, m)
 
 
 register_error(ErrorMetric("kivi_ratio", kivi_ratio))

@@ -31,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from kvq_lab.quant.formats import CodeFormat, get_format
-from kvq_lab.quant.formats import builtin as _plugins  # noqa: F401  (registers the built-in formats)
 
 from .groups import grouped as _grouped
 from .groups import ungrouped as _ungrouped

@@ -33,7 +33,7 @@ PROBE_TABLE_QUANTITIES = {
 
 def task_metrics(task: str) -> tuple[Metric, ...]:
     """The columns a task has in tables: its headline metrics (none for a task that declares none)."""
-    t = TASKS.get(task)
+    t = TASKS.get(task, None)
     return t.headline if t is not None else ()
 
 

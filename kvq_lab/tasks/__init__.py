@@ -5,10 +5,11 @@ A task checks its inputs cheaply (`check`, before any model load: its options, i
 files it reads, or the hub datasets it would download), and produces flat metrics (`run`).
 
 Adding a task: one module in this package that defines a `Task` subclass (with its `headline` metrics for the
-experiment tables) and calls `register_task(...)`, one line in `kvq_lab/plugins/__init__.py` importing that module,
+experiment tables) and calls `NAME = register_task(...)`, its registry line in `kvq_lab/plugins/__init__.py`
+(`"<name>": "kvq_lab.tasks.<module>:NAME"`, imported on first lookup),
 and `conf/task/<name>.yaml` holding `name: <name>` and its options (each option also listed in the task's `options`,
-so a typo such as `+task.windws=2` is rejected). The registry imports none of its plugins (kvq_lab.plugins assembles
-them); it must stay free of torch so that validation is fast.
+so a typo such as `+task.windws=2` is rejected). The registry imports none of its plugins (kvq_lab.plugins names
+them, and a lookup imports one); it must stay free of torch so that validation is fast.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.metric import Metric
+from kvq_lab.common.registry import Registry
 
 if TYPE_CHECKING:  # the runner builds it; tasks only read it
     from kvq_lab.run.config import RunConfig
@@ -223,9 +225,10 @@ class Task:
         raise NotImplementedError
 
 
-TASKS: dict[str, Task] = {}
+# The built-in tasks' registry lines live in kvq_lab.plugins: some sit above this layer (kvq_lab.lmeval).
+TASKS: Registry[Task] = Registry("task")
 
 
 def register_task(task: Task) -> Task:
-    TASKS[task.name] = task
-    return task
+    """Make `task=<task.name>` run `task` (a name another task holds is refused)."""
+    return TASKS.register(task.name, task)

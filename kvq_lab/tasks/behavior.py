@@ -279,4 +279,4 @@ class BehaviorTask(Task):
         return run_behavior(ctx, questions)
 
 
-register_task(BehaviorTask())
+BEHAVIOR = register_task(BehaviorTask())

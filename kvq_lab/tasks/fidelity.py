@@ -204,4 +204,4 @@ class FidelityTask(PplTask):
         return run_fidelity(ctx)
 
 
-register_task(FidelityTask())
+FIDELITY = register_task(FidelityTask())

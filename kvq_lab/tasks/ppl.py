@@ -155,4 +155,4 @@ def _source_tokens(cfg: RunConfig, data_dir: Path | None) -> int | None:
 
 
 _TOKENS: dict[tuple, int] = {}
-register_task(PplTask())
+PPL = register_task(PplTask())

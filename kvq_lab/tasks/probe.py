@@ -112,7 +112,7 @@ class ProbeTask(Task):
         return _measure(ctx, ctx.cache_config, prompts, s, keep="head")
 
 
-register_task(ProbeTask())
+PROBE = register_task(ProbeTask())
 
 
 def run_probes_for_task(ctx: TaskContext) -> dict[str, float]:

@@ -334,4 +334,4 @@ class RetrievalTask(Task):
         return run_retrieval(ctx)
 
 
-register_task(RetrievalTask())
+RETRIEVAL = register_task(RetrievalTask())

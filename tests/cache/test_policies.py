@@ -22,7 +22,6 @@ from kvq_lab.cache import QuantizedKVCache
 from kvq_lab.cache.accounting import layer_bits
 from kvq_lab.cache.knobs import cache_config
 from kvq_lab.cache.policies import POLICIES, TokenPolicy, get_policy
-from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in policies)
 from kvq_lab.cache.policies.scores import received, score
 from kvq_lab.cache.tiered import TieredLayer
 from kvq_lab.common.errors import ConfigError

@@ -424,7 +424,7 @@ def test_runner_hook_probe_true_adds_probe_metrics_to_a_task_run(tiny_model_dir,
         )  # fmt: skip
         metrics = run(cfg)
     finally:
-        TASKS.pop("dummy_for_probe_test")
+        TASKS.unregister("dummy_for_probe_test")
     assert metrics["dummy/acc"] == 1.0 and metrics["probe/n_prompts"] == 1
     (run_dir,) = (tmp_path / "runs").iterdir()
     rec = json.loads((run_dir / "record.json").read_text())

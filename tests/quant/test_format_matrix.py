@@ -343,7 +343,7 @@ def test_generation_with_every_format(tiny, name, bits, monkeypatch):  # noqa: F
 @pytest.fixture
 def int_without_cpu(monkeypatch):
     """A registered format that refuses the C kernel (registered into a copy of the registry, restored after)."""
-    monkeypatch.setattr(formats, "FORMATS", dict(FORMATS))
+    monkeypatch.setattr(formats, "FORMATS", FORMATS.copy())
     monkeypatch.setattr(backends_mod, "_WARNED", set())
 
     @register_format("int_nocpu")

@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from kvq_lab.quant.formats import builtin, get_format  # noqa: F401  (registers the formats)
+from kvq_lab.quant.formats import get_format
 
 TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1, "iq4_nl": T.IQ4_NL}
 QUANTIZED_BY_GGUF = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]  # gguf's port has their quantizers

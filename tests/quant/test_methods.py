@@ -18,7 +18,6 @@ from kvq_lab.fit.calibration import fit
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
 from kvq_lab.probes.settings import ProbeSettings
-from kvq_lab.quant.formats import builtin as _formats  # noqa: F401
 from kvq_lab.quant.formats import get_format
 from kvq_lab.quant.formats.lut import normal_float_codebook
 from kvq_lab.quant.formats.nuq import fit_codebook

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvq_lab.quant.formats import builtin, tensor_nbytes  # noqa: F401  (registers the formats)
+from kvq_lab.quant.formats import tensor_nbytes
 from kvq_lab.quant.pack import BLOCK, PackedQTensor, pack, packed_rows, qtensor_nbytes, unpack, word_layout
 from kvq_lab.quant.reference import code_format, dequantize, quantize
 from kvq_lab.quant.spec import INT_BITS, QuantSpec

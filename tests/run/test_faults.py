@@ -428,7 +428,7 @@ def test_records_name_the_backend_that_ran_and_auto_is_that_run(tiny_model_dir, 
 
 
 def test_the_docs_list_every_formats_default_width():
-    from kvq_lab.quant.formats import FORMATS, builtin, default_bits  # noqa: F401
+    from kvq_lab.quant.formats import FORMATS, default_bits
 
     listed = {
         "README.md": next(x for x in (REPO / "README.md").read_text().splitlines() if "`bits` / `key_bits`" in x),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers_models import compose
 
-from kvq_lab.quant.formats import FORMATS, builtin  # noqa: F401  (registers the formats the messages list)
+from kvq_lab.quant.formats import FORMATS
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.run.config import ConfigError, cache_config, config_hash, validate
 

@@ -1,7 +1,7 @@
 """Cache policies: which tokens a cache keeps, and at how many bits. The registry (`POLICIES`, `register_policy`) and
-the base classes; `builtin` imports the registered ones.
+the base classes; `POLICIES` names the built-in ones ("module:Name", imported on first lookup).
 
-A policy is one file in this folder plus one import line in `builtin`, chosen with `policy=<name>` and its options
+A policy is one file in this folder plus its registry line in `POLICIES`, chosen with `policy=<name>` and its options
 `policy.<field>=` (its dataclass fields, checked here with one-line errors). Two kinds:
 
 - `kivi` (the default) adds nothing: the cache's mode stores every token as `mode` says (KIVI's streaming in packed
@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
+from kvq_lab.common.registry import Registry
 from kvq_lab.quant.spec import BITS, INT_BITS, QuantConfigError
 
 # A `cache` argument below is a `kvq_lab.cache.config.CacheConfig`, which imports this module (policies sit below it).
@@ -71,22 +72,29 @@ class Policy:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
 
 
-POLICIES: dict[str, type[Policy]] = {}
+# The built-in policies: one registry line each, imported on first lookup (kvq_lab.common.registry).
+POLICIES: Registry[type[Policy]] = Registry(
+    "policy",
+    lazy={
+        "evict": "kvq_lab.cache.policies.evict:Evict",
+        "fakequant": "kvq_lab.cache.policies.fakequant:FakeQuant",
+        "kivi": "kvq_lab.cache.policies.kivi:Kivi",
+        "mikv": "kvq_lab.cache.policies.mikv:MiKV",
+        "saliency": "kvq_lab.cache.policies.saliency:Saliency",
+    },
+    unknown="{kind}={name!r} is not a cache policy; choose one of: {known}",
+)
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: `policy=<cls.name>` selects it."""
-    POLICIES[cls.name] = cls
-    return cls
+    """Class decorator: `policy=<cls.name>` selects it (a name another class holds is refused)."""
+    return POLICIES.register(cls.name, cls)
 
 
 def get_policy(name: str, options: dict | None = None) -> Policy:
     """The policy `name` with `options` (one-line QuantConfigError naming `policy.<field>` for a bad one). The
-    registry imports none of its plug-ins: `kvq_lab.cache.config` imports `builtin`, which registers them."""
-
-    if name not in POLICIES:
-        raise QuantConfigError(f"policy={name!r} is not a cache policy; choose one of: {', '.join(sorted(POLICIES))}")
-    cls = POLICIES[name]
+    registry names its built-in plug-ins and imports one when it is looked up."""
+    cls = POLICIES[name]  # one-line error naming the known policies
     allowed = [f.name for f in fields(cls)]
     unknown = sorted(set(options or {}) - set(allowed))
     if unknown:

@@ -28,7 +28,7 @@ The byte accounting counts the stored width (`param_bytes_per_group`, `bits_per_
 `kvq_lab.quant.pack.qtensor_nbytes`); packed storage holds the stored bytes and widens them on read
 (`encode_params`, `decode_params`), so quantization, the formula above and the kernels see the read floats.
 
-Registered formats (import `kvq_lab.quant.formats.builtin` to register them all):
+Registered formats (`FORMATS`: one registry line each below, imported on first lookup):
     int               asymmetric uniform integer, today's arithmetic (`kvq_lab.quant.reference`), bits 1-4, 8
     fp8_e4m3/e5m2     8-bit float codes times a per-group absmax scale, no zero point
     lut               2^bits arbitrary sorted code values (a codebook) under a per-group (scale, zero), bits 1-4, 8
@@ -43,7 +43,8 @@ Registered formats (import `kvq_lab.quant.formats.builtin` to register them all)
 
 Adding a format
 ---------------
-One new file, `kvq_lab/quant/formats/<name>.py`, and one line importing it in `formats/builtin.py`:
+One new file, `kvq_lab/quant/formats/<name>.py`, and its registry line in `FORMATS` below
+(`"myfmt": "kvq_lab.quant.formats.myfmt:MyFormat"`):
 
     @register_format("myfmt")
     @dataclass(frozen=True)
@@ -69,8 +70,8 @@ test edit; `tests/quant/test_format_matrix.py` runs it through the reference, si
 kernel. Kernels declare the formats they read with `add_kernel_support` (the C and Triton kernels read the formula
 above for any format: `"*"`); a format that a backend cannot read says so in `unsupported_backends`.
 
-This module imports neither torch nor its plugins: plugins register themselves when imported, and
-`formats/builtin.py` is the one place that imports them.
+This module imports neither torch nor its plugins: `FORMATS` names each built-in plugin by "module:Name" and imports
+it on first lookup (listing the names imports nothing); the plugin's `@register_format` runs as it is imported.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ from dataclasses import dataclass, fields
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar
 
+from kvq_lab.common.registry import Registry
 from kvq_lab.quant.layout import packed_rows
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
@@ -92,7 +94,27 @@ PARAM_ENCODINGS: dict[str, int] = {"fp16": 2, "e4m3": 1, "e8m0": 1}
 PARAM_BYTES = PARAM_ENCODINGS["fp16"]  # the default encoding (kvq_lab.quant.rounding.PARAM_DTYPE)
 EVERY_FORMAT = "*"  # add_kernel_support(backend, "*"): the kernels read the table formula, so every format
 
-FORMATS: dict[str, type[CodeFormat]] = {}
+# The built-in formats: one registry line each, imported on first lookup (kvq_lab.common.registry).
+FORMATS: Registry[type[CodeFormat]] = Registry(
+    "format",
+    lazy={
+        "fp8_e4m3": "kvq_lab.quant.formats.fp8:FP8Format",
+        "fp8_e5m2": "kvq_lab.quant.formats.fp8:FP8Format",
+        "int": "kvq_lab.quant.formats.int_:IntFormat",
+        "iq4_nl": "kvq_lab.quant.formats.iq4_nl:IQ4NLFormat",
+        "lut": "kvq_lab.quant.formats.lut:LUTFormat",
+        "mxfp4": "kvq_lab.quant.formats.mxfp4:MXFP4Format",
+        "nuq": "kvq_lab.quant.formats.nuq:NUQFormat",
+        "nvfp4": "kvq_lab.quant.formats.nvfp4:NVFP4Format",
+        "q4_0": "kvq_lab.quant.formats.q4_0:Q4_0Format",
+        "q4_1": "kvq_lab.quant.formats.q4_1:Q4_1Format",
+        "q5_0": "kvq_lab.quant.formats.q5_0:Q5_0Format",
+        "q5_1": "kvq_lab.quant.formats.q5_1:Q5_1Format",
+        "q8_0": "kvq_lab.quant.formats.q8_0:Q8_0Format",
+        "turbo": "kvq_lab.quant.formats.turbo:TurboFormat",
+    },
+    unknown="{kind}={name!r} is not a registered code format; allowed: {known}",
+)
 _KERNEL_SUPPORT: dict[str, set[str]] = {}  # backend -> names of the formats its kernels read (or "*")
 
 
@@ -101,6 +123,7 @@ def register_format(name: str):
 
     A class may carry several names (fp8_e4m3 and fp8_e5m2 share one class); the instance's `name` field says
     which one it is. Its `param_encodings` must name its own parameters and known encodings (PARAM_ENCODINGS).
+    A name is refused if another class holds it (`kvq_lab.common.registry`: a reloaded module may register again).
     """
 
     def decorate(cls: type[CodeFormat]) -> type[CodeFormat]:
@@ -110,11 +133,7 @@ def register_format(name: str):
                     f"{cls.__qualname__}.param_encodings: {param!r} -> {enc!r}; its params are {cls.params} and the "
                     f"encodings {', '.join(PARAM_ENCODINGS)}"
                 )
-        old = FORMATS.get(name)
-        # re-importing the same module (importlib.reload) re-registers the same class under a new identity
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"format name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
-        FORMATS[name] = cls
+        FORMATS.register(name, cls)
         cls.names = tuple(n for n in cls.__dict__.get("names", ()) if n != name) + (name,)
         return cls
 
@@ -152,14 +171,8 @@ def check_bits(name: str, bits, bits_name: str = "bits", format_name: str = "for
 
 
 def _check_name(name: str, format_name: str = "format") -> type[CodeFormat]:
-    if name not in FORMATS:
-        if not FORMATS:
-            raise QuantConfigError(
-                f"{format_name}={name!r}: no format is registered; import kvq_lab.quant.formats.builtin"
-            )
-        raise QuantConfigError(
-            f"{format_name}={name!r} is not a registered code format; allowed: {', '.join(sorted(FORMATS))}"
-        )
+    if name not in FORMATS:  # the registry's one-line message, with the caller's setting name
+        raise QuantConfigError(FORMATS.unknown.format(kind=format_name, name=name, known=", ".join(FORMATS)))
     return FORMATS[name]
 
 

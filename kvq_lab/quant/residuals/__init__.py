@@ -23,7 +23,7 @@ units and the open block's fp16 error, and the byte accounting counts them.
 
 Spelling (the run config's `key_residual` / `value_residual`, `residual` for both): `name:arg`, a list composes in
 order; `none` (default) stores nothing. This registry imports neither torch nor its plugins (config validation reads
-it); `residuals/builtin.py` imports the plugins.
+it); `RESIDUALS` names each built-in by "module:Name" and imports it on first lookup.
 
 Registered corrections:
     qjl:<m>        QJL (Zandieh et al., arXiv 2406.03482): m sign bits of a Gaussian sketch S r plus |r|; the rebuild
@@ -37,7 +37,7 @@ Registered corrections:
 
 Adding a correction: one file `kvq_lab/quant/residuals/<name>.py` with a frozen dataclass registered by
 `@register_residual("<name>")` implementing `parse`, `unit_bytes`, `encode`, `decode` (`block` where a unit is more than
-one token; `check_head_dim` where a head dim can be wrong for it), and one import line in `residuals/builtin.py`;
+one token; `check_head_dim` where a head dim can be wrong for it), and its registry line in `RESIDUALS`;
 `tests/quant/test_residuals.py` iterates `RESIDUALS` (`example()` gives an instance to test).
 """
 
@@ -50,13 +50,22 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, ClassVar
 
+from kvq_lab.common.registry import Registry
 from kvq_lab.quant.spec import QuantConfigError
 
 if TYPE_CHECKING:
     import torch
 
 NONE = "none"
-RESIDUALS: dict[str, type[Residual]] = {}
+# The built-in corrections: one registry line each, imported on first lookup (kvq_lab.common.registry).
+RESIDUALS: Registry[type[Residual]] = Registry(
+    "residual",
+    lazy={
+        "lowrank": "kvq_lab.quant.residuals.lowrank:LowRank",
+        "qjl": "kvq_lab.quant.residuals.qjl:QJL",
+        "sparse": "kvq_lab.quant.residuals.sparse:Sparse",
+    },
+)
 
 
 class Residual(ABC):
@@ -127,11 +136,8 @@ def register_residual(name: str):
         raise ValueError(f"residual name {name!r} must be lower-case letters, digits and '_' (and not {NONE!r})")
 
     def decorate(cls: type[Residual]) -> type[Residual]:
-        old = RESIDUALS.get(name)
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"residual name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        RESIDUALS.register(name, cls)  # refused if another class holds the name (a reloaded module may re-register)
         cls.name = name
-        RESIDUALS[name] = cls
         return cls
 
     return decorate
@@ -142,8 +148,6 @@ def get_residual(spelling: str) -> Residual:
     """The correction a spelling names (`qjl:64`), one-line errors that start with the spelling."""
     name, _, arg = spelling.partition(":")
     if name not in RESIDUALS:
-        if not RESIDUALS:
-            raise QuantConfigError(f"{spelling!r}: no residual is registered; import kvq_lab.quant.residuals.builtin")
         allowed = ", ".join([NONE, *(f"{n}:<{RESIDUALS[n].arg_name}>" for n in sorted(RESIDUALS))])
         raise QuantConfigError(f"{spelling!r} is not a registered residual correction; allowed: {allowed}")
     return RESIDUALS[name].parse(arg if ":" in spelling else None)

@@ -24,7 +24,7 @@ exact sinks into it for the kernel, and keeps them exact).
 Spelling (the run config's `key_transform` / `value_transform`): `name` or `name:arg`, where `arg` is the
 transform's one option (`hadamard:64`: blocks of 64 channels). A list composes: `key_transform=[rope_pre,hadamard]`.
 
-Registered transforms (`kvq_lab.quant.transforms.builtin` imports them):
+Registered transforms (`TRANSFORMS`: one registry line each, imported on first lookup):
     rope_pre   keys only: undo the model's RoPE so keys are quantized before rotation, re-rotate after (KVQuant)
     hadamard   a fixed orthonormal Hadamard rotation of the head dim, whole or in blocks (QuaRot)
     rhadamard  a seeded randomized Hadamard rotation: random signs, then Hadamard (TurboQuant's engines)
@@ -37,9 +37,10 @@ names the method and has none (using it raises a one-line error), `kvq_lab.fit.c
 (`fit`), registers it with `register_fitted`, and the layer's config names it `innerq@<digest>`, a spelling that
 `get_transform` resolves in this process. `example()` gives an instance fitted on synthetic keys, for tests.
 
-This module imports neither torch nor its plugins: plugins register themselves when imported, `transforms/builtin.py`
-is the one place that imports them, and config validation (torch-free) reads the registry. Plugin modules therefore
-import torch inside their functions. See README.md, "Adding a format / transform / policy", for a new transform.
+This module imports neither torch nor its plugins: `TRANSFORMS` names each built-in by "module:Name" and imports it on
+first lookup (its `@register_transform` runs then), and config validation (torch-free) reads the registry. Plugin
+modules therefore import torch inside their functions. See README.md, "Adding a format / transform / policy", for a
+new transform.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
+from kvq_lab.common.registry import Registry
 from kvq_lab.quant.spec import QuantConfigError
 
 if TYPE_CHECKING:
@@ -58,7 +60,18 @@ if TYPE_CHECKING:
 TENSORS = ("key", "value")
 NONE = "none"  # the spelling of "no transform" in the run config
 
-TRANSFORMS: dict[str, type[Transform]] = {}
+# The built-in transforms: one registry line each, imported on first lookup (kvq_lab.common.registry).
+TRANSFORMS: Registry[type[Transform]] = Registry(
+    "transform",
+    lazy={
+        "hadamard": "kvq_lab.quant.transforms.hadamard:Hadamard",
+        "innerq": "kvq_lab.quant.transforms.innerq:InnerQ",
+        "interleave": "kvq_lab.quant.transforms.interleave:Interleave",
+        "rhadamard": "kvq_lab.quant.transforms.rhadamard:RandomizedHadamard",
+        "rope_pre": "kvq_lab.quant.transforms.rope_pre:RopePre",
+        "rotatekv": "kvq_lab.quant.transforms.rotatekv:RotateKV",
+    },
+)
 
 
 class Positions(NamedTuple):
@@ -187,12 +200,8 @@ def register_transform(name: str):
         raise ValueError(f"transform name {name!r} must be lower-case letters, digits and '_' (and not {NONE!r})")
 
     def decorate(cls: type[Transform]) -> type[Transform]:
-        old = TRANSFORMS.get(name)
-        # importlib.reload re-registers the same class under a new identity
-        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise ValueError(f"transform name {name!r} is already registered by {old.__module__}.{old.__qualname__}")
+        TRANSFORMS.register(name, cls)  # refused if another class holds the name (a reloaded module may re-register)
         cls.name = name
-        TRANSFORMS[name] = cls
         return cls
 
     return decorate
@@ -211,8 +220,6 @@ def register_fitted(t: Transform) -> str:
 def _bare(spelling: str) -> Transform:
     name, _, arg = spelling.partition(":")
     if name not in TRANSFORMS:
-        if not TRANSFORMS:
-            raise QuantConfigError(f"{spelling!r}: no transform is registered; import kvq_lab.quant.transforms.builtin")
         raise QuantConfigError(
             f"{spelling!r} is not a registered transform; allowed: {', '.join([NONE, *sorted(TRANSFORMS)])}"
         )
