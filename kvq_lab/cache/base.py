@@ -13,6 +13,7 @@ from kvq_lab.kernels.torch_path import all_finite
 from kvq_lab.quant.transforms import Pipeline, Positions
 
 from .config import CacheConfig
+from .modes import capabilities
 from .rope import RopeHelper, position_ids_from, positions_for
 
 
@@ -129,9 +130,11 @@ LAYERS: dict[str, type[QuantizedLayerBase]] = {}
 
 
 def register_layer(mode: str):
-    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator adds a mode."""
+    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator (and the mode's
+    capabilities in `kvq_lab.cache.modes`) adds a mode. The class carries them as `caps`."""
 
     def deco(cls):
+        cls.caps = capabilities(mode)
         LAYERS[mode] = cls
         return cls
 
