@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvq_lab.cache.labels import label
 from kvq_lab.cache.modes import MODES, Capabilities, capabilities
 from kvq_lab.cache.policies import builtin as _policies  # noqa: F401  (registers the built-in cache policies)
 from kvq_lab.cache.policies import get_policy
@@ -12,7 +13,7 @@ from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
 from kvq_lab.quant.residuals import builtin as _residuals  # noqa: F401  (registers the built-in corrections)
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
 from kvq_lab.quant.spec import BITS, INT_BITS, QuantConfigError, QuantSpec
-from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
+from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms
 from kvq_lab.quant.transforms import builtin as _transforms  # noqa: F401  (registers the built-in transforms)
 
 ROPE = ("post", "pre")
@@ -362,15 +363,9 @@ class CacheConfig:
 
     def exact_layer(self) -> CacheConfig:
         """A skipped layer's config: the same cache at 16 bits, nothing stored besides the K/V (DynamicCache's)."""
-        return CacheConfig(
-            key=QuantSpec(16, self.key.group_size, self.key.axis),
-            value=QuantSpec(16, self.value.group_size, self.value.axis),
-            mode=self.mode,
-            prefill=self.prefill,
-            residual_length=self.residual_length,
-            sink_tokens=self.sink_tokens,
-            backend=self.backend,
-        )
+        k, v = QuantSpec(16, self.key.group_size, self.key.axis), QuantSpec(16, self.value.group_size, self.value.axis)
+        keep = {f: getattr(self, f) for f in ("mode", "prefill", "residual_length", "sink_tokens", "backend")}
+        return CacheConfig(key=k, value=v, **keep)
 
     def unfitted(self) -> CacheConfig:
         """This config without its per-layer fits (what the run config describes)."""
@@ -398,33 +393,5 @@ class CacheConfig:
         return build_chain(getattr(self, f"{tensor}_residual"))
 
     def label(self) -> str:
-        """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
-        extra = f"_R{self.residual_length}" if self.caps.residual_window else ""
-        extra += {None: "", "exact": "_Pexact", "quantized": "_Pquant"}[self.prefill]
-        extra += f"_r{self.recompute_rank}" if self.recompute_rank is not None else ""
-        extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
-        extra += "_preRoPE" if self.rope == "pre" else ""
-        for tag, spellings in (("K", self.key_transform), ("V", self.value_transform)):
-            # rope_pre shows as `_preRoPE` above, the label rope=pre has always had
-            shown = [get_transform(s).label for s in spellings if s != "rope_pre"]
-            extra += f"_{tag}{'+'.join(shown)}" if shown else ""
-        for tag, f in (("K", self.key_outliers), ("V", self.value_outliers)):
-            extra += f"_{tag}out{f:g}" if f else ""
-        if self.skip_layers:
-            skip = self.skip_layers
-            shown = "SW" if skip == SLIDING_WINDOW else "-".join(map(str, skip)) if len(skip) <= 3 else f"{len(skip)}L"
-            extra += f"_skip{shown}"
-        for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
-            extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
-        if self.policy != "kivi":  # the default goes unnamed, as do options at their defaults
-            defaults = dict(type(self.token_policy())().options())  # options at their defaults go unnamed
-            shown = [f"-{k}{_short(v)}" for k, v in self.policy_options if defaults.get(k) != v]
-            extra += f"_{self.policy}" + "".join(shown)
-        if not self.caps.stores_kv:  # one tensor, X, under the key quantizer
-            return f"X{self.key.short()}_{self.mode[:3]}{extra}"
-        return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"
-
-
-def _short(v) -> str:
-    """A policy option's value in a label: 0.5 -> 0.5, None -> null."""
-    return "null" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+        """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad` (`kvq_lab.cache.labels`)."""
+        return label(self)
