@@ -164,7 +164,7 @@ def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
 
 def cache_bytes(cache) -> tuple[int, int]:
     """(stored, fp16-equivalent) bytes of a cache."""
-    if isinstance(cache, QuantizedKVCache) and cache.cfg.mode in ("packed", "recompute"):
+    if isinstance(cache, QuantizedKVCache) and cache.cfg.caps.packed_storage:
         nb = cache.nbytes()
         return nb["stored"], nb["fp16"]
     # others: every tensor the layers hold (the simulated cache keeps exact K/V plus its dequantized copy)
@@ -261,7 +261,7 @@ class Run:
 
     def result(self, warmup: int) -> dict:
         res = {"prefill_s": self.prefill, "step_s": self.steps[warmup:], "peak": self.peak, "tokens": self.tokens}
-        if isinstance(self.cache, QuantizedKVCache) and self.cache.cfg.mode == "packed":
+        if isinstance(self.cache, QuantizedKVCache) and self.cache.cfg.caps.fused_decode:
             res["arith"] = arithmetic_bytes(self.cache)
         return res
 

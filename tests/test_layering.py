@@ -124,3 +124,75 @@ def test_an_upward_import_is_caught(graph):
     assert not graph.find_illegal_dependencies_for_layers(layers, containers={"kvq_lab"})  # as shipped
     broken = g.find_illegal_dependencies_for_layers(layers, containers={"kvq_lab"})
     assert {(d.importer, d.imported) for d in broken} == {("kvq_lab.kernels", "kvq_lab.cache")}
+
+
+# --- capabilities, not names (issue 58, items 3 and 4) -------------------------------------------------------------
+# A check asks what a mode supports (`kvq_lab.cache.modes.Capabilities`), never compares its name, except in the mode's
+# own module; the cache knows no task (a task declares the sequence it caches, `Task.cached_tokens`).
+SCANNED = [*sorted((REPO / "kvq_lab").rglob("*.py")), REPO / "run.py", *sorted((REPO / "scripts").rglob("*.py"))]
+
+
+def _strings(node) -> set[str]:
+    """The string constants a comparison operand is made of: "x", or ("x", "y") / ["x"] / {"x"}."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return set()
+
+
+def mode_name_comparisons(source: str, path: Path) -> list[str]:
+    """`path:line` of every comparison with a mode's name (`x.mode == "packed"`, `"recompute" in modes`, `c.get("mode")
+    != "simulated"`) outside that mode's own module (kvq_lab/cache/<mode>.py)."""
+    import ast
+
+    from kvq_lab.cache.modes import MODES
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            names = set().union(*(_strings(o) for o in (node.left, *node.comparators))) & set(MODES)
+            if names - {path.stem} or (names and path.parent != REPO / "kvq_lab" / "cache"):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} compares {sorted(names)}")
+    return found
+
+
+def task_names_in(source: str, path: Path) -> list[str]:
+    """`path:line` of every string constant in `source` that is a registered task's name (docstrings included)."""
+    import ast
+
+    from kvq_lab.plugins import TASKS
+
+    tasks = set(TASKS)
+    return [
+        f"{path.relative_to(REPO)}:{n.lineno} names task {n.value!r}"
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in tasks
+    ]
+
+
+def test_no_mode_name_is_compared_outside_its_module():
+    found = [hit for p in SCANNED for hit in mode_name_comparisons(p.read_text(), p)]
+    assert not found, "ask a capability (CacheConfig.caps, kvq_lab.cache.modes), not the mode's name: " + str(found)
+
+
+def test_the_cache_names_no_task():
+    found = [hit for p in sorted((REPO / "kvq_lab" / "cache").rglob("*.py")) for hit in task_names_in(p.read_text(), p)]
+    assert not found, "the cache knows no task (Task.cached_tokens declares what it caches): " + str(found)
+
+
+def test_a_mode_or_task_name_is_caught():
+    """The checks can fail: a mode compared by name in the runner, another mode's name in a mode module, and a task's
+    name in the cache are each reported; a mode's own name in its module, and a default (`mode="packed"`), are not."""
+    runner, packed, recompute = (
+        REPO / "kvq_lab" / p for p in ("run/runner.py", "cache/packed.py", "cache/recompute.py")
+    )
+    assert mode_name_comparisons('if cfg.mode == "recompute":\n    pass\n', runner)
+    assert mode_name_comparisons('x = c.get("mode") in ("packed", "simulated")\n', runner)
+    assert mode_name_comparisons('ok = cfg.mode != "simulated"\n', packed)
+    assert not mode_name_comparisons('ok = cfg.mode == "recompute"\n', recompute)
+    assert not mode_name_comparisons('c = replace(cfg, mode="packed")\n', runner)
+    accounting = REPO / "kvq_lab" / "cache" / "accounting.py"
+    assert task_names_in('if t.get("name") in ("ppl", "fidelity"):\n    pass\n', accounting)

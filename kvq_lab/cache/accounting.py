@@ -1,9 +1,11 @@
-"""Bits per element of everything a cache config stores, so methods compare at equal memory.
+"""Bits per element of everything a cache config stores, so methods compare at equal memory: the parts every layer
+kind's `stored_bits(cfg, n_tokens, shape)` is made of (`QuantizedKVCache.stored_bits` asks each layer's once).
 
-`cache/bits*` (`kvq_lab.run.runner.cache_bits`) is the format's own cost: codes + per-group parameters. The totals here
-add what the methods store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
+`cache/bits*` (`format_bits`) is the format's own cost: codes + per-group parameters. The totals (`tensor_bits`) add
+what the methods store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
 
-    exact tokens     sink_tokens, plus residual_length in packed mode (the window: R tokens at its fullest), 16 bits
+    exact tokens     sink_tokens, plus residual_length (the window of a mode that keeps one: R tokens at its
+                     fullest; a mode without a window has R = 0), 16 bits
     quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
                      of their (unused) dense codes; values: round(fraction * D) per token, as `Outliers` keeps them
@@ -15,20 +17,26 @@ add what the methods store besides, for a sequence of N tokens of one layer's [H
                      transform stores (`Transform.stored_bits`: innerq scales, fp16, H * D; rotatekv channel orders,
                      1 byte, H * D)
 
-A token policy (`kvq_lab.cache.policies`) splits a prompt of N tokens: its sinks and last `policy.window` tokens
-at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers in their shares, each
-at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt (`layer_bits`).
+A token policy (`kvq_lab.cache.policies`, `Policy.stored_bits`) splits a prompt of N tokens: its sinks and last
+`policy.window` tokens at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers
+in their shares, each at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt
+(`kvq_lab.cache.tiered.TieredLayer.stored_bits`).
 
 Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.heads`), so a
 layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
 a codebook or a transform's parameters, once per width).
 
+A mode that caches one tensor instead of K and V (`Capabilities.stores_kv` False: recompute's X) counts its bytes as
+its layer stores them (`stored_bytes`), over the bytes the same tokens take as fp16 K/V.
+
 Averaged over the layers (their fitted configs where calibration made them; skipped layers at 16 bits). N: the
-task's sequence length where it has one (task=ppl: context_tokens + eval_tokens),
-else 1024; reported as `cache/bits_tokens`.
+sequence the run's task caches (`Task.cached_tokens`), reported as `cache/bits_tokens`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from kvq_lab.quant.outliers import entry_bytes
 from kvq_lab.quant.transforms import get_transform
@@ -36,6 +44,42 @@ from kvq_lab.quant.transforms import get_transform
 from .config import CacheConfig
 
 DEFAULT_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the byte count reads of a model: decoder layers, KV heads and head dim of one layer's [H, N, D] tensors,
+    the attention input's width (`hidden`) and the dtype its exact tensors are kept in. Without a model: one head
+    of 64 per layer (bits per element do not depend on H where nothing is stored per layer)."""
+
+    layers: int = 1
+    heads: int = 1
+    head_dim: int = 64
+    hidden: int | None = None
+    dtype: Any = None
+
+    @classmethod
+    def of(cls, model) -> Shape:
+        text = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        return cls(text.num_hidden_layers, text.num_key_value_heads, head_dim, text.hidden_size, dtype)
+
+
+def format_bits(cache: CacheConfig) -> dict[str, float]:
+    """Stored bits per element of each quantizer, codes plus per-group parameters (int2 G32: 3.0; fp8 G32: 8.5;
+    16 = kept as is), whole groups, exact windows and sinks not counted: the format's own cost, as a table compares
+    formats at equal bytes (`cache/bits_key`, `cache/bits_value`, `cache/bits`; the mean over per-layer configs)."""
+    from kvq_lab.quant.formats import bits_per_element
+    from kvq_lab.quant.reference import code_format
+
+    def one(spec):
+        return 16.0 if spec.is_identity else bits_per_element(code_format(spec), spec.group_size, spec.axis)
+
+    layers = [cache.for_layer(i) for i in range(len(cache.layers))] or [cache]  # per-layer precision: the mean
+    k = sum(one(c.key) for c in layers) / len(layers)
+    v = sum(one(c.value) for c in layers) / len(layers)
+    return {"cache/bits_key": k, "cache/bits_value": v, "cache/bits": (k + v) / 2}
 
 
 def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head_dim: int) -> float:
@@ -46,7 +90,7 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     spec = getattr(cache, tensor)
     if spec.is_identity:
         return 16.0
-    exact = min(n_tokens, cache.sink_tokens + (cache.residual_length if cache.mode == "packed" else 0))
+    exact = min(n_tokens, cache.sink_tokens + cache.residual_length)  # R = 0 where the mode keeps no window
     quant = n_tokens - exact
     fmt = code_format(spec)
     bits = exact * 16.0 + quant * bits_per_element(fmt, spec.group_size, spec.axis)
@@ -65,50 +109,6 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     return bits / n_tokens + per_layer / (heads * n_tokens * head_dim)
 
 
-def layer_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head_dim: int) -> float:
-    """Stored bits per element of one layer's `tensor` over n_tokens, under its token policy's tiers where it has
-    them, over its heads' widths where they differ (module docstring), else `tensor_bits`."""
-    if cache.head_bits:
-        H = len(cache.head_bits)
-        return (
-            sum(tensor_bits(c, tensor, n_tokens, len(idx), head_dim) * len(idx) for c, idx in cache.head_groups()) / H
-        )
-    tiers = cache.tiers()
-    if not tiers:
-        return tensor_bits(cache, tensor, n_tokens, heads, head_dim)
-    from dataclasses import replace
-
-    from .policies import deal
-
-    window = cache.sink_tokens + cache.token_policy().window
-    main = min(n_tokens, window)
-    mid = n_tokens - main
-    plain = replace(cache, policy="kivi", policy_options=())
-    bits = tensor_bits(plain, tensor, main, heads, head_dim) * main if main else 0.0
-    for tier, size in zip(tiers, deal([t.share for t in tiers], mid), strict=True):
-        if tier.config is not None and size:
-            bits += tensor_bits(tier.config, tensor, size, heads, head_dim) * size
-    return bits / n_tokens
-
-
-def stored_bits(cache: CacheConfig, task=None, model_config=None) -> dict[str, float]:
-    """`cache/bits_total_key`, `cache/bits_total_value`, `cache/bits_total` (their mean) and `cache/bits_tokens`.
-    `task`: the run's task section (task=ppl: its window length is the sequence length; protocol=chunks: n_ctx)."""
-    t = task or {}
-    if t.get("protocol") == "chunks" and t.get("name") in ("ppl", "fidelity"):  # llama.cpp's chunks: n_ctx each
-        n = int(t["n_ctx"])
-    else:
-        n = int(t["context_tokens"]) + int(t["eval_tokens"]) if t.get("name") == "ppl" else DEFAULT_TOKENS
-    heads, head_dim, n_layers = 1, 64, max(1, len(cache.layers))
-    if model_config is not None:
-        text = model_config.get_text_config(decoder=True)
-        heads = text.num_key_value_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        n_layers = text.num_hidden_layers
-    out = {}
-    for tensor in ("key", "value"):
-        per = [layer_bits(cache.for_layer(i), tensor, n, heads, head_dim) for i in range(n_layers)]
-        out[f"cache/bits_total_{tensor}"] = sum(per) / len(per)
-    out["cache/bits_total"] = (out["cache/bits_total_key"] + out["cache/bits_total_value"]) / 2
-    out["cache/bits_tokens"] = float(n)
-    return out
+def kv_bits(cache: CacheConfig, n_tokens: int, shape: Shape) -> tuple[float, float]:
+    """(keys, values): `tensor_bits` of each, for one layer of `shape` (what a K/V layer of the mode stores)."""
+    return tuple(tensor_bits(cache, t, n_tokens, shape.heads, shape.head_dim) for t in ("key", "value"))

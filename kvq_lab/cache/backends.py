@@ -166,10 +166,10 @@ def resolve(cache, width: int | None = None) -> str | None:
     PyTorch; mode=recompute's
     Triton path needs a power-of-two `width` of X (None where the width is not known before the load: the layer
     decides, and this returns None)."""
-    if cache.mode == "simulated":
+    if not cache.caps.kernels:
         return "torch"
     name = cache.backend
-    specs = (cache.key,) if cache.mode == "recompute" else (cache.key, cache.value)
+    specs = (cache.key, cache.value) if cache.caps.stores_kv else (cache.key,)  # else one tensor, X
     if name == "auto":
         name = "triton" if torch.cuda.is_available() else "cpu" if _cpu_kernel_builds() else "torch"
         if name != "torch":
@@ -181,9 +181,9 @@ def resolve(cache, width: int | None = None) -> str | None:
             if bad:
                 _warn_format(name, bad)
                 return "torch"
-    if cache.mode == "packed" and cache.reads_dequantized():
+    if cache.caps.fused_decode and cache.reads_dequantized():
         return "torch"
-    if cache.mode == "recompute" and name == "triton" and cache.backend == "auto" and not cache.key.is_identity:
+    if not cache.caps.stores_kv and name == "triton" and cache.backend == "auto" and not cache.key.is_identity:
         if width is None:
             return None
         G = cache.key.group_size

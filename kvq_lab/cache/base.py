@@ -14,6 +14,7 @@ from kvq_lab.kernels.torch_path import all_finite
 from kvq_lab.quant.transforms import Pipeline, Positions
 
 from .config import CacheConfig
+from .modes import capabilities
 from .rope import RopeHelper, position_ids_from, positions_for
 
 
@@ -130,6 +131,12 @@ LAYERS: Registry[type[QuantizedLayerBase]] = Registry("mode")
 
 
 def register_layer(mode: str):
-    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator adds a mode (kv_cache
-    imports the layer modules; a mode another class holds is refused)."""
-    return LAYERS.register(mode)
+    """Register a cache layer class for `CacheConfig.mode`: one new file plus this decorator (and the mode's
+    capabilities in `kvq_lab.cache.modes`) adds a mode; a mode another class holds is refused. The class carries its
+    mode's capabilities as `caps`."""
+
+    def deco(cls):
+        cls.caps = capabilities(mode)
+        return LAYERS.register(mode)(cls)
+
+    return deco

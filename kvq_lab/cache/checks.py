@@ -28,13 +28,13 @@ def check_device(device, cache: CacheConfig) -> None:
             index = int(device.split(":")[1]) if ":" in device else 0
             if index >= n:
                 raise ConfigError(f"device={device}: this machine has {n} CUDA device(s); use device=cpu")
-    if cache.mode == "packed" and cache.backend == "triton" and not device.startswith("cuda"):
+    if cache.caps.fused_decode and cache.backend == "triton" and not device.startswith("cuda"):
         if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter runs Triton on CPU tensors (tests only)
             raise ConfigError(
                 f"backend=triton runs on a GPU (device=cuda){'' if cuda else '; this machine has none'}: "
                 "use backend=cpu or backend=torch, or device=cuda"
             )
-    if cache.mode == "packed" and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
+    if cache.caps.fused_decode and cache.backend == "cpu":  # build (or find) the kernel now, not after the model load
         from kvq_lab.kernels.cpu_kernel import build_error
 
         err = build_error()
@@ -51,7 +51,7 @@ def check_dtype(dtype, device, cache: CacheConfig) -> CacheConfig:
         return cache
     if str(device).startswith("cuda"):
         raise ConfigError("model.dtype=float64 is the CPU reference for checking; use device=cpu (or float32 on CUDA)")
-    if cache.mode != "simulated" and cache.backend in ("cpu", "triton"):
+    if cache.caps.kernels and cache.backend in ("cpu", "triton"):
         raise ConfigError(
             f"model.dtype=float64: backend={cache.backend} reads fp32, fp16 or bf16 models only; use backend=torch"
         )
@@ -62,7 +62,7 @@ def check_backend_formats(cache: CacheConfig) -> None:
     """An explicit packed-mode backend reads every code format of the cache (a format may refuse a kernel);
     `auto` needs no check: it falls back to the PyTorch path with a warning."""
     specs = [s for s in (cache.key, cache.value) if not s.is_identity and s.format != DEFAULT_FORMAT]
-    if cache.mode != "packed" or cache.backend not in ("cpu", "triton") or not specs:
+    if not cache.caps.fused_decode or cache.backend not in ("cpu", "triton") or not specs:
         return
     from .backends import check_formats
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvq_lab.cache.labels import label
+from kvq_lab.cache.modes import MODES, Capabilities, capabilities
 from kvq_lab.cache.policies import get_policy
 from kvq_lab.quant.residuals import Chain, build_chain, check_residuals
 from kvq_lab.quant.residuals import check_head_dim as check_residual_head_dim
 from kvq_lab.quant.spec import BITS, INT_BITS, QuantConfigError, QuantSpec
-from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms, get_transform
+from kvq_lab.quant.transforms import Pipeline, build_pipeline, check_head_dim, check_transforms
 
-MODES = ("simulated", "packed", "recompute")
 ROPE = ("post", "pre")
 BACKENDS = ("auto", "torch", "cpu", "triton")
 PREFILL = ("exact", "quantized")
@@ -98,9 +99,9 @@ class CacheConfig:
             raise QuantConfigError(f"mode={self.mode!r} is not a cache mode; allowed: {', '.join(MODES)}")
         if self.prefill is not None and self.prefill not in PREFILL:
             raise QuantConfigError(f"prefill={self.prefill!r}; allowed: {', '.join(PREFILL)}")
-        if self.mode == "recompute" and self.prefill == "quantized":
+        if not self.caps.quantized_prefill and self.prefill == "quantized":
             raise QuantConfigError(
-                "prefill=quantized with mode=recompute: the cache rebuilds K and V from X at decode steps only, its "
+                f"prefill=quantized with mode={self.mode}: the cache rebuilds K and V from X at decode steps only, its "
                 "prefill attention reads the model's own K/V; use prefill=exact or mode=simulated/packed"
             )
         if self.rope not in ROPE:
@@ -141,13 +142,13 @@ class CacheConfig:
         self._check_skip_layers()
         self._check_policy()
         self._check_head_bits()
-        if self.mode == "simulated" and self.residual_length:
+        if not self.caps.residual_window and self.residual_length:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
                 "cached token (KIVI Table 1); set residual_length=0 or mode=packed"
             )
         self._check_recompute()
-        if self.mode != "simulated" and self.residual_length % self.key.group_size and not self.key.is_identity:
+        if self.caps.residual_window and self.residual_length % self.key.group_size and not self.key.is_identity:
             raise QuantConfigError(
                 f"residual_length={self.residual_length} must be a multiple of the key group size "
                 f"{self.key.group_size} (keys are flushed in whole groups); e.g. residual_length="
@@ -170,8 +171,8 @@ class CacheConfig:
         object.__setattr__(self, "head_bits", tuple(pairs))
         if not pairs:
             return
-        if self.mode == "recompute":
-            raise QuantConfigError("per-head bits with mode=recompute: X is one tensor for all heads; use packed")
+        if not self.caps.per_layer_precision:
+            raise QuantConfigError(f"per-head bits with mode={self.mode}: X is one tensor for all heads; use packed")
         if self.splits_tokens:
             raise QuantConfigError(
                 f"per-head bits with policy={self.policy}: a token policy's tiers hold every head at one width; use "
@@ -210,6 +211,11 @@ class CacheConfig:
                     "search again for this model (precision=search precision.granularity=head)"
                 )
 
+    @property
+    def caps(self) -> Capabilities:
+        """What this config's mode supports (`kvq_lab.cache.modes`): checks ask it, not the mode's name."""
+        return capabilities(self.mode)
+
     def token_policy(self):
         """The policy (`kvq_lab.cache.policies.Policy`) with its options."""
         return get_policy(self.policy, dict(self.policy_options))
@@ -238,9 +244,10 @@ class CacheConfig:
             if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
                 raise QuantConfigError(f"skip_layers={list(v)} must list layer indices >= 0, e.g. [0,1]")
             object.__setattr__(self, "skip_layers", tuple(sorted(set(v))))
-        if v and self.mode == "recompute":
+        if v and not self.caps.per_layer_precision:
             raise QuantConfigError(
-                "skip_layers with mode=recompute: every layer caches X, not K/V; unset skip_layers or use mode=packed"
+                f"skip_layers with mode={self.mode}: every layer caches X, not K/V; unset skip_layers or use "
+                "mode=packed"
             )
 
     def resolve_layers(self, sliding_layers: tuple[int, ...] | None, n_layers: int, model: str = "the model"):
@@ -267,7 +274,7 @@ class CacheConfig:
     def _check_residual_units(self) -> None:
         """Packed mode flushes a per-channel tensor's window whole: a block correction (`lowrank`) needs whole blocks
         in each flush (per-token tensors keep an incomplete block's error until it completes)."""
-        if self.mode != "packed":
+        if not self.caps.residual_window:
             return
         for tensor, spec in (("key", self.key), ("value", self.value)):
             chain = self.residual(tensor)
@@ -287,7 +294,7 @@ class CacheConfig:
         r = self.recompute_rank
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
             raise QuantConfigError(f"recompute.rank={r!r} must be an integer >= 1, or null to cache X itself")
-        if self.mode != "recompute":
+        if self.caps.stores_kv:
             if r is not None:
                 raise QuantConfigError(f"recompute.rank={r} applies to mode=recompute only; set mode=recompute")
             return
@@ -304,7 +311,7 @@ class CacheConfig:
             )
 
     def check_head_dim(self, head_dim: int) -> None:
-        if self.mode == "recompute":  # X's width (hidden size or rank) is checked against the model by the layer
+        if not self.caps.stores_kv:  # X's width (hidden size or rank) is checked against the model by the layer
             return
         self.key.check_head_dim(head_dim, "group_size (keys)")
         self.value.check_head_dim(head_dim, "group_size (values)")
@@ -335,7 +342,7 @@ class CacheConfig:
     @property
     def exact_prefill(self) -> bool:
         """The prompt's forward reads the K/V the model computed: `prefill=exact`, or unset outside simulated mode."""
-        return self.prefill == "exact" or (self.prefill is None and self.mode != "simulated")
+        return self.prefill == "exact" or (self.prefill is None and self.caps.exact_prefill)
 
     def for_layer(self, i: int) -> CacheConfig:
         """The config of decoder layer i: 16 bits where `skip_layers` names it, else the fitted one where calibration
@@ -352,15 +359,9 @@ class CacheConfig:
 
     def exact_layer(self) -> CacheConfig:
         """A skipped layer's config: the same cache at 16 bits, nothing stored besides the K/V (DynamicCache's)."""
-        return CacheConfig(
-            key=QuantSpec(16, self.key.group_size, self.key.axis),
-            value=QuantSpec(16, self.value.group_size, self.value.axis),
-            mode=self.mode,
-            prefill=self.prefill,
-            residual_length=self.residual_length,
-            sink_tokens=self.sink_tokens,
-            backend=self.backend,
-        )
+        k, v = QuantSpec(16, self.key.group_size, self.key.axis), QuantSpec(16, self.value.group_size, self.value.axis)
+        keep = {f: getattr(self, f) for f in ("mode", "prefill", "residual_length", "sink_tokens", "backend")}
+        return CacheConfig(key=k, value=v, **keep)
 
     def unfitted(self) -> CacheConfig:
         """This config without its per-layer fits (what the run config describes)."""
@@ -388,33 +389,5 @@ class CacheConfig:
         return build_chain(getattr(self, f"{tensor}_residual"))
 
     def label(self) -> str:
-        """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad`."""
-        extra = f"_R{self.residual_length}" if self.mode != "simulated" else ""
-        extra += {None: "", "exact": "_Pexact", "quantized": "_Pquant"}[self.prefill]
-        extra += f"_r{self.recompute_rank}" if self.recompute_rank is not None else ""
-        extra += f"_S{self.sink_tokens}" if self.sink_tokens else ""
-        extra += "_preRoPE" if self.rope == "pre" else ""
-        for tag, spellings in (("K", self.key_transform), ("V", self.value_transform)):
-            # rope_pre shows as `_preRoPE` above, the label rope=pre has always had
-            shown = [get_transform(s).label for s in spellings if s != "rope_pre"]
-            extra += f"_{tag}{'+'.join(shown)}" if shown else ""
-        for tag, f in (("K", self.key_outliers), ("V", self.value_outliers)):
-            extra += f"_{tag}out{f:g}" if f else ""
-        if self.skip_layers:
-            skip = self.skip_layers
-            shown = "SW" if skip == SLIDING_WINDOW else "-".join(map(str, skip)) if len(skip) <= 3 else f"{len(skip)}L"
-            extra += f"_skip{shown}"
-        for tag, chain in (("K", self.residual("key")), ("V", self.residual("value"))):
-            extra += f"_{tag}{'+'.join(r.label for r in chain.residuals)}" if chain else ""
-        if self.policy != "kivi":  # the default goes unnamed, as do options at their defaults
-            defaults = dict(type(self.token_policy())().options())  # options at their defaults go unnamed
-            shown = [f"-{k}{_short(v)}" for k, v in self.policy_options if defaults.get(k) != v]
-            extra += f"_{self.policy}" + "".join(shown)
-        if self.mode == "recompute":  # one tensor, X, under the key quantizer
-            return f"X{self.key.short()}_{self.mode[:3]}{extra}"
-        return f"K{self.key.short()}_V{self.value.short()}_{self.mode[:3]}{extra}"
-
-
-def _short(v) -> str:
-    """A policy option's value in a label: 0.5 -> 0.5, None -> null."""
-    return "null" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+        """e.g. `K2b-C32_V2b-T32_sim`, `K2b-T32_V2b-T32_pac_R32_preRoPE_Khad` (`kvq_lab.cache.labels`)."""
+        return label(self)

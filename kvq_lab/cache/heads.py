@@ -13,6 +13,8 @@ read one layer's stream at one width, so a per-head layer decodes on the PyTorch
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .base import LAYERS, QuantizedLayerBase
@@ -25,6 +27,15 @@ class HeadsLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self.groups = [(idx, LAYERS[c.mode](c, rope, padding)) for c, idx in cfg.head_groups()]
         self.H = len(cfg.head_bits)
+
+    @staticmethod
+    def stored_bits(cfg, n_tokens: int, shape) -> tuple[float, float]:
+        """(keys, values) bits per element of the layer: the heads-weighted mean of each width's layer, counted with
+        its own heads (per-layer state, a codebook or a transform's parameters, once per width)."""
+        H = len(cfg.head_bits)
+        per = [(LAYERS[c.mode].stored_bits(c, n_tokens, replace(shape, heads=len(idx))), len(idx))
+               for c, idx in cfg.head_groups()]  # fmt: skip
+        return tuple(sum(bits[j] * h for bits, h in per) / H for j in (0, 1))
 
     @property
     def stackable(self) -> bool:

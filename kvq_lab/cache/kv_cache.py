@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
+from .accounting import Shape, format_bits
 from .base import LAYERS, PaddingState
 from .config import CacheConfig
 from .heads import HeadsLayer
@@ -21,7 +22,7 @@ from .tiered import TieredLayer
 __all__ = ["LAYERS", "QuantizedKVCache"]
 
 
-def _layer_class(cfg: CacheConfig):
+def layer_class(cfg: CacheConfig):
     """The layer of a decoder layer's config: the mode's, or under a token policy the tiered one, or with per-head
     bits the heads one (both build the mode's layers inside them)."""
     if cfg.head_bits:
@@ -46,7 +47,7 @@ class QuantizedKVCache(Cache):
         self.padding = PaddingState()
         rope = RopeHelper(rotary_emb) if rotary_emb is not None else None
         # each layer's own config where calibration fitted one per layer (nuq codebooks, fitted transforms)
-        layers = [_layer_class(cfg.for_layer(i))(cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
+        layers = [layer_class(cfg.for_layer(i))(cfg.for_layer(i), rope, self.padding) for i in range(num_layers)]
         for i, layer in enumerate(layers):
             layer.layer_idx = i
         super().__init__(layers=layers)
@@ -68,6 +69,34 @@ class QuantizedKVCache(Cache):
             if prepare is not None:
                 prepare(model, cache)
         return cache
+
+    @staticmethod
+    def stored_bits(cfg: CacheConfig, n_tokens: int, model=None) -> dict[str, float]:
+        """What a cache of `cfg` stores for a sequence of n_tokens (the task's, `Task.cached_tokens`), each layer's
+        count by its own kind (`stored_bits` of the mode's, tiered or heads layer; `kvq_lab.cache.accounting`), over
+        the model's layers and shape (None: one head of 64, one layer per fitted config):
+        `cache/bits_key`, `cache/bits_value`, `cache/bits` (the format's own cost), `cache/bits_total_key`,
+        `cache/bits_total_value`, `cache/bits_total` (their mean: everything stored, per K/V element) and
+        `cache/bits_tokens`. A mode that caches one tensor instead of K and V (`Capabilities.stores_kv` False) has
+        no per-tensor numbers: `cache/bits_total` and `cache/bytes_per_token` (per token and layer) from its bytes."""
+        shape = Shape.of(model) if model is not None else Shape(layers=max(1, len(cfg.layers)))
+        configs = [cfg.for_layer(i) for i in range(shape.layers)]
+        n = n_tokens
+        if not cfg.caps.stores_kv:
+            stored = sum(LAYERS[c.mode].stored_bytes(c, n, shape) for c in configs)
+            elements = shape.layers * 2 * shape.heads * n * shape.head_dim  # the same tokens as K and V
+            return {
+                "cache/bits_total": 8 * stored / elements,
+                "cache/bytes_per_token": stored / (n * shape.layers),
+                "cache/bits_tokens": float(n),
+            }
+        out = format_bits(cfg)
+        per = [layer_class(c).stored_bits(c, n, shape) for c in configs]
+        for j, tensor in enumerate(("key", "value")):
+            out[f"cache/bits_total_{tensor}"] = sum(p[j] for p in per) / len(per)
+        out["cache/bits_total"] = (out["cache/bits_total_key"] + out["cache/bits_total_value"]) / 2
+        out["cache/bits_tokens"] = float(n)
+        return out
 
     @property
     def needs_forward(self) -> bool:

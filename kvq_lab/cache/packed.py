@@ -61,6 +61,7 @@ import torch
 
 from kvq_lab.kernels.view import RopeView
 
+from .accounting import kv_bits
 from .attention import PackedKV, route_model
 from .backends import get_backend
 from .base import QuantizedLayerBase, register_layer
@@ -78,6 +79,12 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
     sink_k, sink_v: [B, H, S, D] exact (the first S real tokens of each row); k_stream, v_stream: the tokens after
     them (`kvq_lab.cache.streams`); N: cached positions, padding included; pads: left-padding positions per row.
     """
+
+    @staticmethod
+    def stored_bits(cfg, n_tokens: int, shape) -> tuple[float, float]:
+        """(keys, values) bits per element one layer stores after n_tokens: sinks and window exact, the rest as codes
+        and parameters, and what outliers, residuals, codebooks and transforms add (`kvq_lab.cache.accounting`)."""
+        return kv_bits(cfg, n_tokens, shape)
 
     def __init__(self, cfg, rope=None, padding=None):
         super().__init__(cfg, rope, padding)

@@ -37,7 +37,7 @@ from kvq_lab.quant.spec import QuantConfigError
 from kvq_lab.quant.transforms.rope_pre import rotate
 
 from .backends import get_backend
-from .base import QuantizedLayerBase, register_layer
+from .base import PaddingState, QuantizedLayerBase, register_layer
 from .rope import position_ids_from
 from .rows import left_padded_sinks
 from .store import tensor_bytes
@@ -333,6 +333,25 @@ class RecomputeLayer(QuantizedLayerBase):
         return rotate(k_pre, cos, sin), v
 
     # -- accounting ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def stored_bytes(cfg, n_tokens: int, shape) -> int:
+        """Bytes one layer keeps after a prompt of n_tokens (batch 1): Z [1, 1, n, r] (r: the rank, else the model's
+        hidden size) through this layer's own sinks and stream, in the model's dtype: what `nbytes()` counts."""
+        width = cfg.recompute_rank or shape.hidden
+        gen = torch.Generator().manual_seed(0)
+        z = torch.randn(1, 1, n_tokens, width, generator=gen).to(shape.dtype)
+        stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, get_backend("torch"))
+        pads, (sink,) = left_padded_sinks(PaddingState(), cfg.sink_tokens, z, what="the recompute cache")
+        stream.prefill(z, pads)
+        return tensor_bytes(sink) + stream.nbytes()
+
+    @staticmethod
+    def stored_bits(cfg, n_tokens: int, shape) -> tuple[float, float]:
+        """Stored bits per K/V element of one layer (Z's bytes over the same tokens as K and V): one tensor, so one
+        number for both."""
+        b = 8 * RecomputeLayer.stored_bytes(cfg, n_tokens, shape) / (2 * shape.heads * n_tokens * shape.head_dim)
+        return b, b
+
     def nbytes(self) -> tuple[int, int]:
         """(stored, fp16): bytes of Z as kept (sinks, codes and parameters, exact window), and the same tokens as
         an fp16 K/V cache."""

@@ -38,6 +38,7 @@ import torch
 
 from kvq_lab.quant.transforms import Positions
 
+from .accounting import kv_bits
 from .base import QuantizedLayerBase, register_layer
 from .simulated_batch import Growing, SimulatedRows
 from .simulated_stream import FakeQuantStream, tail_around
@@ -73,6 +74,13 @@ class SimulatedLayer(SimulatedRows, QuantizedLayerBase):
         self._tk: torch.Tensor | None = None
         self._tv: torch.Tensor | None = None
         self._pos: Positions | None = None
+
+    @staticmethod
+    def stored_bits(cfg, n_tokens: int, shape) -> tuple[float, float]:
+        """(keys, values) bits per element one layer would store for n_tokens, counted as the packed cache with the
+        same quantizers stores them (`kvq_lab.cache.accounting`; this mode keeps no window): the budget it stands for.
+        """
+        return kv_bits(cfg, n_tokens, shape)
 
     def _new_streams(self) -> tuple[FakeQuantStream, FakeQuantStream]:
         S = self.cfg.sink_tokens

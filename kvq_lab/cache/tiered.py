@@ -106,6 +106,17 @@ class TieredLayer(QuantizedLayerBase):
 
     stackable = False
 
+    @staticmethod
+    def stored_bits(cfg, n_tokens: int, shape) -> tuple[float, float]:
+        """(keys, values) bits per element of the layer after a prompt of n_tokens: the policy deals the tokens to
+        the main layer and the tiers (`Policy.stored_bits`), each counted by the mode's layer."""
+        policy = cfg.token_policy()
+
+        def one(j: int) -> float:
+            return policy.stored_bits(cfg, n_tokens, lambda c, n: LAYERS[c.mode].stored_bits(c, n, shape)[j])
+
+        return one(0), one(1)
+
     def __init__(self, cfg, rope=None, padding=None):
         super().__init__(cfg, rope, padding)
         self.policy = cfg.token_policy()

@@ -147,12 +147,12 @@ def check_against_model(
 def resolve_backend(cache: CacheConfig, facts) -> CacheConfig:
     """The cache with the backend that will run in place of `auto` (`kvq_lab.cache.backends.resolve`): records
     name it, and `backend=auto` is the same run as an explicit choice of what it picks."""
-    if cache.mode == "simulated":
+    if not cache.caps.kernels:
         return replace(cache, backend="torch") if cache.backend != "torch" else cache
     from kvq_lab.cache.backends import resolve
 
     width = None
-    if cache.mode == "recompute" and facts is not None and facts.hidden:
+    if not cache.caps.stores_kv and facts is not None and facts.hidden:  # X's width: the rank or the hidden size
         width = cache.recompute_rank or facts.hidden
     name = resolve(cache, width)
     return cache if name is None or name == cache.backend else replace(cache, backend=name)

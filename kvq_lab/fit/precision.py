@@ -135,7 +135,7 @@ def shape_costs(
 
     L, H, D = shape
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    R = cache.residual_length if cache.mode == "packed" else 0
+    R = cache.residual_length  # 0 in a mode without a window: budgeted as the packed cache without one
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
     v = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
@@ -424,28 +424,6 @@ def resolve(
     write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)
     log.info("precision: key bits %s, value bits %s (%.3f bits/element)", key_bits, value_bits, meta["stored_bits"])
     return per_layer(cache, key_bits, value_bits)
-
-
-def measured_bits(model, cache: CacheConfig, n_tokens: int) -> dict[str, float]:
-    """What a cache stores after a prompt of n_tokens (random ids through `model`), by its own nbytes():
-    `cache/bits_total` (stored bits per K/V element, everything counted) and `cache/bytes_per_token` (per token and
-    layer). For mode=recompute, whose one tensor X the K/V formulas of `kvq_lab.cache.accounting` do not describe."""
-    import torch
-
-    from kvq_lab.cache import QuantizedKVCache
-    from kvq_lab.models.loading import cache_kwarg
-
-    qc = QuantizedKVCache.for_model(model, cache)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.get_text_config(decoder=True).vocab_size, (1, n_tokens), generator=gen)
-    with torch.no_grad():
-        model(ids.to(next(model.parameters()).device), **{cache_kwarg(): qc}, use_cache=True)
-    nb = qc.nbytes()
-    return {
-        "cache/bits_total": 8 * nb["stored"] / (nb["fp16"] / 2),
-        "cache/bytes_per_token": nb["stored"] / (n_tokens * len(qc.layers)),
-        "cache/bits_tokens": float(n_tokens),
-    }
 
 
 def metrics(model, cache: CacheConfig, precision) -> dict[str, float]:

@@ -94,8 +94,10 @@ def check(precision: Mapping | None, cache: CacheConfig) -> None:
     s = settings(precision)
     if s["name"] == "uniform":
         return
-    if cache.mode == "recompute":
-        raise ConfigError(f"precision={s['name']} sets per-layer key/value bits; mode=recompute stores X: use uniform")
+    if not cache.caps.per_layer_precision:
+        raise ConfigError(
+            f"precision={s['name']} sets per-layer key/value bits; mode={cache.mode} stores X: use uniform"
+        )
     if cache.skip_layers:
         raise ConfigError(
             f"precision={s['name']} sets every layer's bits; skip_layers would override some of them: unset one"

@@ -86,7 +86,7 @@ def check_model_args(
     except ConfigError as e:  # the model arg is `pretrained` here
         raise ConfigError(str(e).replace("model.path=", "pretrained=")) from None
     check_device(device, cache)
-    if cache.mode == "recompute":  # separable K/V projections and room for the rank, before the weights load
+    if not cache.caps.stores_kv:  # caches X: separable K/V projections and room for the rank, before the weights load
         check_recompute(cache, name, probes=False)
     facts = model_facts(name)
     cache = resolve_layers(cache, facts, name)

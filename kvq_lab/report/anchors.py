@@ -7,6 +7,8 @@ run configs to the paper's row for the same quantizer setting, or {} when the pa
 
 from __future__ import annotations
 
+from kvq_lab.cache.modes import MODES
+
 SOURCE = "KIVI (Liu et al., ICML 2024), Table 1 / Table 5"
 BENCHMARKS = ("CoQA", "TruthfulQA", "GSM8K")
 # our task -> the paper's benchmark column it corresponds to
@@ -75,7 +77,7 @@ def row_name(config: dict) -> str:
         bits = f"{kb}bit" if kb == vb else f"K{kb}/V{vb}bit"
         name = f"{bits} (K-{_axis(config, 'key_axis')}, V-{_axis(config, 'value_axis')})"
     extras = []
-    if config.get("mode") == "packed":
+    if _caps(config, "stores_kv") and _caps(config, "residual_window"):  # KIVI's real cache: K/V, an exact window
         extras.append(f"real cache R={config.get('residual_length', 0)}")
     if config.get("group_size", 32) != 32:
         extras.append(f"G={config.get('group_size')}")
@@ -95,7 +97,7 @@ def paper_values(config: dict, model: str = DEFAULT_MODEL) -> dict[str, float]:
     plain = config.get("rope", "post") == "post" and not config.get("sink_tokens") and not _nonint(config)
     if not plain:
         return {}
-    if config.get("mode", "simulated") == "simulated":
+    if _caps(config, "fake_quant"):
         if g != 32 and not (kb >= 16 and vb >= 16):
             return {}
         key = (16, 16, None, None) if kb >= 16 and vb >= 16 else (kb, vb, ka, va)
@@ -112,3 +114,9 @@ def paper_values(config: dict, model: str = DEFAULT_MODEL) -> dict[str, float]:
         if g == 32 and r in TABLE5_RESIDUAL:
             out["GSM8K"] = TABLE5_RESIDUAL[r]
     return out
+
+
+def _caps(config: dict, name: str) -> bool:
+    """Capability `name` (`kvq_lab.cache.modes.Capabilities`) of the config's mode (unset: simulated); False for a
+    mode this code does not know."""
+    return getattr(MODES.get(config.get("mode", "simulated")), name, False)

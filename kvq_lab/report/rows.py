@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvq_lab.cache.modes import MODES
 from kvq_lab.common.metric import Metric
 from kvq_lab.plugins import TASKS
 from kvq_lab.probes.metrics import ERRORS
@@ -171,7 +172,7 @@ def _sort_key(row: Row):
         return c.get(k, 16)
 
     return (
-        c.get("mode") != "simulated",
+        not getattr(MODES.get(c.get("mode")), "fake_quant", False),  # fake-quant rows first
         c.get("residual_length", 0),
         c.get("group_size", 32),
         -bits("key_bits"),

@@ -229,7 +229,7 @@ def build(cfg) -> RunConfig:
     facts = checks.model_facts(model, c["model"].get("head_dim"))
     cache = checks.resolve_layers(cache, facts, model)
     checks.check_model_features(cache, facts, model, TASKS[task_name], c["task"])
-    if cache.mode == "recompute":
+    if not cache.caps.stores_kv:  # caches the attention input: the model's projections must allow it
         checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
     run = RunConfig(
         cache=cache,

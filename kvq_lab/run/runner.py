@@ -64,22 +64,6 @@ def cache_factory(plan: RunPlan, model):
     return lambda: QuantizedKVCache.for_model(model, plan.cache)
 
 
-def cache_bits(cache) -> dict[str, float]:
-    """Stored bits per element of each quantizer, codes plus per-group parameters (int2 G32: 3.0; fp8 G32: 8.5;
-    16 = kept as is), whole groups, exact windows and sinks not counted: the format's own cost, as a table
-    compares formats at equal bytes. Packed runs measure their real bytes with `cache.nbytes()`."""
-    from kvq_lab.quant.formats import bits_per_element
-    from kvq_lab.quant.reference import code_format
-
-    def one(spec):
-        return 16.0 if spec.is_identity else bits_per_element(code_format(spec), spec.group_size, spec.axis)
-
-    layers = [cache.for_layer(i) for i in range(len(cache.layers))] or [cache]  # per-layer precision: the mean
-    k = sum(one(c.key) for c in layers) / len(layers)
-    v = sum(one(c.value) for c in layers) / len(layers)
-    return {"cache/bits_key": k, "cache/bits_value": v, "cache/bits": (k + v) / 2}
-
-
 def run_name(plan: RunPlan) -> str:
     if plan.cfg.run_name:
         return str(plan.cfg.run_name)
@@ -304,15 +288,11 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
                 from kvq_lab.tasks.probe import run_probes_for_task
 
                 metrics.update(run_probes_for_task(ctx))
-        metrics.update(cache_bits(plan.cache))
-        metrics.update(precision.metrics(model, plan.cache, cfg.precision))  # per-layer bits: means and stored bits
-        from kvq_lab.cache.accounting import stored_bits
+        from kvq_lab.cache import QuantizedKVCache
 
-        metrics.update(stored_bits(plan.cache, cfg.task, model.config))  # all stored: tables, outliers, windows, sinks
-        if plan.cache.mode == "recompute":  # one tensor, X: the K/V formulas do not apply; its nbytes() instead
-            n = int(metrics["cache/bits_tokens"])
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("cache/bits")}
-            metrics.update(precision.measured_bits(model, plan.cache, n))
+        n = TASKS[plan.task].cached_tokens(cfg.task)  # the sequence the task caches: each layer counts its bits
+        metrics.update(QuantizedKVCache.stored_bits(plan.cache, n, model))  # codes, tables, outliers, windows, sinks
+        metrics.update(precision.metrics(model, plan.cache, cfg.precision))  # per-layer bits: means and stored bits
     except RunInterrupted as e:
         from kvq_lab.run.slurm_job import stop_reason
 

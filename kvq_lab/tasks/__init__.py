@@ -139,6 +139,9 @@ def read_data_file(data_dir: Path, f: DataFile) -> tuple[list[dict], str]:
     return out
 
 
+DEFAULT_CACHED_TOKENS = 1024  # the sequence stored bits are counted at where a task fixes none
+
+
 class Task:
     """Base class of tasks. Subclasses set `name`, `options`, `data` (files under the data dir), `hub` (what is
     downloaded without a data dir), `headline` (the metrics experiment tables show, the first one the paper's
@@ -176,6 +179,12 @@ class Task:
         not bound it (lm-eval's tasks: their prompts are cut to lm-eval's max_length). Read after `check` has
         validated the options."""
         return None
+
+    def cached_tokens(self, task_cfg) -> int:
+        """The length of the sequence this run's cache holds, at which its stored bits are counted
+        (`QuantizedKVCache.stored_bits`, reported as `cache/bits_tokens`): 1024 where the task's options do not fix
+        one (prompts and generations of varying lengths)."""
+        return DEFAULT_CACHED_TOKENS
 
     def check_positions(self, task_cfg, most: int | None, model: str = "the model") -> None:
         """A sequence longer than the model's positions (`most`, its max_position_embeddings; None: not known) is

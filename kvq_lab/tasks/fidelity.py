@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from kvq_lab.common.metric import Metric
 from kvq_lab.tasks.reference import stored_reference
 
-from . import TaskContext, register_task
+from . import Task, TaskContext, register_task
 from .ppl import PplTask
 
 if TYPE_CHECKING:  # torch loads when the task runs, not when validation imports the task registry
@@ -199,6 +199,15 @@ class FidelityTask(PplTask):
         Metric("fidelity/kl_mean", "KL mean", "lower"),
         Metric("fidelity/top1_agree", "top-1 agreement", "higher"),
     )
+
+    def cached_tokens(self, task_cfg) -> int:
+        """A chunk of n_ctx under protocol=chunks; otherwise the default length (as fidelity records have always
+        been counted, though its windows are ppl's)."""
+        return (
+            super().cached_tokens(task_cfg)
+            if task_cfg.get("protocol") == "chunks"
+            else Task.cached_tokens(self, task_cfg)
+        )
 
     def run(self, ctx: TaskContext) -> dict[str, float]:
         return run_fidelity(ctx)

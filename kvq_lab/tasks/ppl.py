@@ -72,6 +72,11 @@ class PplTask(Task):
         c, e = t.get("context_tokens"), t.get("eval_tokens")
         return c + e, f"a window, task.context_tokens + task.eval_tokens = {c} + {e}"
 
+    def cached_tokens(self, task_cfg) -> int:
+        """A window (context + scored tokens), or a chunk of n_ctx under protocol=chunks."""
+        t = task_cfg
+        return int(t["n_ctx"]) if t.get("protocol") == "chunks" else int(t["context_tokens"]) + int(t["eval_tokens"])
+
     def prompt_prefill(self, task_cfg, cache) -> str:
         """task.prefill=exact hands the cache the exact K/V of the context, unless the cache quantizes the prompt
         (`prefill=quantized`, `policy=fakequant`): then, as with task.prefill=cache and protocol=chunks, the context's

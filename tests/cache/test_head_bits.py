@@ -12,7 +12,7 @@ import torch
 from helpers_models import gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.accounting import layer_bits
+from kvq_lab.cache.accounting import Shape
 from kvq_lab.cache.heads import HeadsLayer
 from kvq_lab.common.errors import QuantConfigError
 from kvq_lab.quant.spec import QuantSpec
@@ -101,13 +101,13 @@ def test_bytes_are_each_heads_as_a_layer_of_its_width(R, S, T):
 @pytest.mark.parametrize("T", [64, 160])
 def test_bytes_are_the_layout_arithmetic(T):
     """Per-token groups, whole packing blocks, no exact tokens (an fp32 model's window and sinks are kept in fp32,
-    the arithmetic counts 16 bits): what `layer_bits` counts, exactly (per-channel streams also keep a flush buffer,
-    which `nbytes()` counts and the arithmetic does not: tests/cache/test_policies.py)."""
+    the arithmetic counts 16 bits): what the layer's `stored_bits` counts, exactly (per-channel streams also keep
+    a flush buffer, which `nbytes()` counts and the arithmetic does not: tests/cache/test_policies.py)."""
     cfg = replace(config("packed", 0, 0, ((2, 4), (8, 2), (4, 4))), key=QuantSpec(2, 32, "token"))
     k, v = kv(T=T)
     cache = QuantizedKVCache(cfg, 1)
     cache.update(k, v, 0)
-    want = sum(layer_bits(cfg, t, T, H, D) for t in ("key", "value")) * H * T * D / 8
+    want = sum(type(cache.layers[0]).stored_bits(cfg, T, Shape(heads=H, head_dim=D))) * H * T * D / 8
     assert cache.layers[0].nbytes()[0] == want
 
 

@@ -19,7 +19,7 @@ from policy_reference import CONFIGS, REFERENCE, portable_outputs
 from transformers import DynamicCache
 
 from kvq_lab.cache import QuantizedKVCache
-from kvq_lab.cache.accounting import layer_bits
+from kvq_lab.cache.accounting import Shape
 from kvq_lab.cache.knobs import cache_config
 from kvq_lab.cache.policies import POLICIES, TokenPolicy, get_policy
 from kvq_lab.cache.policies.scores import received, score
@@ -111,13 +111,15 @@ def test_simulated_and_packed_store_the_same_where_both_apply(tiny, name):
 @pytest.mark.parametrize("name", [n for n in NAMES if "packed" in POLICIES[n].modes])
 def test_packed_bytes_are_the_layout_arithmetic(tiny, name):
     """Every tier holds whole packing blocks here (320 middle tokens in shares of fifths and halves), so the stored
-    bytes after the prompt are what `layer_bits` counts, exactly. Per-token groups: per-channel ones also keep a
-    flush buffer of one group per stream (`FillStream`), which `nbytes()` counts and the arithmetic does not."""
+    bytes after the prompt are what the layer's `stored_bits` counts, exactly. Per-token groups: per-channel ones
+    also keep a flush buffer of one group per stream (`FillStream`), which `nbytes()` counts and the arithmetic does
+    not."""
     cache = _cache(tiny, name, key_axis="token", value_axis="token", mode="packed")
     with torch.no_grad():
         tiny(IDS, past_key_values=cache)
     H, D, T = tiny.config.num_key_value_heads, tiny.config.head_dim, IDS.shape[1]
-    want = sum(layer_bits(cache.layers[0].cfg, t, T, H, D) for t in ("key", "value")) * H * T * D / 8
+    layer = cache.layers[0]
+    want = sum(type(layer).stored_bits(layer.cfg, T, Shape(heads=H, head_dim=D))) * H * T * D / 8
     assert cache.layers[0].nbytes()[0] == want
 
 

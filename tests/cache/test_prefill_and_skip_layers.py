@@ -10,7 +10,6 @@ import torch
 from transformers import DynamicCache
 
 from kvq_lab.cache import QuantizedKVCache
-from kvq_lab.cache.accounting import stored_bits
 from kvq_lab.cache.knobs import cache_config
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.models.files import _gguf_sliding, facts
@@ -113,8 +112,8 @@ def test_a_skipped_layer_stores_sixteen_bits_and_the_others_their_quantizer(tiny
 
 
 def test_skipped_layers_count_sixteen_bits(tiny):
-    base = stored_bits(cache_config({"bits": 2}), None, tiny.config)["cache/bits_total"]
-    half = stored_bits(cache_config({"bits": 2, "skip_layers": [0]}), None, tiny.config)["cache/bits_total"]
+    base = QuantizedKVCache.stored_bits(cache_config({"bits": 2}), 1024, tiny)["cache/bits_total"]
+    half = QuantizedKVCache.stored_bits(cache_config({"bits": 2, "skip_layers": [0]}), 1024, tiny)["cache/bits_total"]
     assert half == pytest.approx((base + 16) / 2)
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.accounting import stored_bits, tensor_bits
+from kvq_lab.cache import CacheConfig, QuantizedKVCache
+from kvq_lab.cache.accounting import tensor_bits
 from kvq_lab.fit.calibration import fit
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
@@ -310,7 +310,7 @@ def test_bits_count_everything_stored():
     kivi = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", residual_length=128,
                        sink_tokens=4)  # fmt: skip
     assert tensor_bits(kivi, "key", 1024, 2, 64) == pytest.approx((132 * 16 + 892 * 3) / 1024)
-    m = stored_bits(base)
+    m = QuantizedKVCache.stored_bits(base, 1024)
     assert m["cache/bits_total"] == 3.0 and m["cache/bits_tokens"] == 1024
 
 

@@ -68,6 +68,11 @@ class Policy:
     def check(self, cache) -> None:
         """One-line QuantConfigError for a cache this policy cannot run with."""
 
+    def stored_bits(self, cache, n_tokens: int, bits_of) -> float:
+        """Stored bits per element of one layer's tensor over a prompt of n_tokens under this policy: the mode's
+        layers store every token, so `bits_of(cache, n_tokens)` (the mode layer's count of one config)."""
+        return bits_of(cache, n_tokens)
+
     def options(self) -> tuple[tuple[str, Any], ...]:
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
 
@@ -140,9 +145,9 @@ class TokenPolicy(Policy):
 
     def check(self, cache) -> None:
         what = f"policy={self.name}"
-        if cache.mode == "recompute":
+        if not cache.caps.token_policies:
             raise QuantConfigError(
-                f"{what} splits K/V tokens into tiers; mode=recompute caches X: use simulated/packed"
+                f"{what} splits K/V tokens into tiers; mode={cache.mode} caches X: use simulated/packed"
             )
         if cache.rope == "pre":
             raise QuantConfigError(
@@ -154,6 +159,20 @@ class TokenPolicy(Policy):
                 "prefill=quantized does not apply; unset it"
             )
         self.tiers(cache)  # each tier's config is checked as it is made
+
+    def stored_bits(self, cache, n_tokens: int, bits_of) -> float:
+        """The sinks and last `window` tokens at the cache's own cost, the tokens between them dealt to the tiers in
+        their shares, each at its tier's cost (nothing for a dropped tier), over the n_tokens of the prompt.
+        `bits_of(config, n)`: bits per element the mode's layer stores for n tokens under that config."""
+        tiers = self.tiers(cache)
+        main = min(n_tokens, cache.sink_tokens + self.window)
+        mid = n_tokens - main
+        plain = replace(cache, policy=DEFAULT_POLICY, policy_options=())
+        bits = bits_of(plain, main) * main if main else 0.0
+        for tier, size in zip(tiers, deal([t.share for t in tiers], mid), strict=True):
+            if tier.config is not None and size:
+                bits += bits_of(tier.config, size) * size
+        return bits / n_tokens
 
     def tier_config(self, cache, bits: int | None = None, group: int | None = None):
         """A tier's config: the cache's quantizers (axes, format, transforms), at `bits` / `group` where given, with

@@ -28,7 +28,7 @@ class FakeQuant(Policy):
     quantizes_prompt = True
 
     def check(self, cache) -> None:
-        if cache.mode != "simulated":
+        if not cache.caps.fake_quant:
             raise QuantConfigError(
                 f"policy=fakequant is KIVI Table 1's fake quant of every token; mode={cache.mode} keeps partial groups "
                 "and its window exact: use mode=simulated (or policy=kivi for the packed cache's streaming)"
