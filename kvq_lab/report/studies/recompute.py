@@ -81,7 +81,7 @@ def tables(recs: list[dict], model=None, tokens: int = TOKENS) -> dict[str, str]
         nb = cache.nbytes()
         per_tok = nb["stored"] / (tokens * L)
         bits = 8 * nb["stored"] / (nb["fp16"] / 2)
-        rank = cfg.recompute_rank if cfg.mode == "recompute" else "-"
+        rank = "-" if cfg.caps.stores_kv else cfg.recompute_rank  # a rank only where X is stored
         cells = [f"`{label}`", cfg.mode, cfg.key.bits, rank or "X (576)", f"{per_tok:.0f}", f"{bits:.2f}", f"{ppl:.2f}"]
         res.append((bits, "| " + " | ".join(map(str, cells)) + " |"))
     out += [line for _, line in sorted(res, key=lambda t: t[0])]
