@@ -196,3 +196,29 @@ def test_a_mode_or_task_name_is_caught():
     assert not mode_name_comparisons('c = replace(cfg, mode="packed")\n', runner)
     accounting = REPO / "kvq_lab" / "cache" / "accounting.py"
     assert task_names_in('if t.get("name") in ("ppl", "fidelity"):\n    pass\n', accounting)
+
+
+MAX_LINES = 400  # a module holds one role (STYLE habit 9): past this it is usually two; split it along the seam
+
+
+def long_modules(paths: list[Path], root: Path = REPO, limit: int = MAX_LINES) -> list[str]:
+    """'path: N lines' (relative to `root`) for each file over `limit` lines."""
+    out = []
+    for p in paths:
+        n = len(p.read_text().splitlines())
+        if n > limit:
+            out.append(f"{p.relative_to(root)}: {n} lines")
+    return out
+
+
+def test_no_module_is_over_400_lines():
+    found = long_modules(sorted((REPO / "kvq_lab").rglob("*.py")))
+    assert not found, f"split these along a seam (one role per module, at most {MAX_LINES} lines): {found}"
+
+
+def test_a_long_module_is_caught(tmp_path):
+    """The check can fail: a file of 401 lines is reported, one of 400 is not."""
+    long, short = tmp_path / "long.py", tmp_path / "short.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    short.write_text("x = 1\n" * MAX_LINES)
+    assert long_modules([long, short], tmp_path) == [f"long.py: {MAX_LINES + 1} lines"]

@@ -1,328 +1,62 @@
-"""Layer-wise mixed precision (KVTuner-like), the measurement side: per-layer (key bits, value bits) searched on the
-loaded model under an average-bits budget. The settings, their checks and the per-layer bits file (model-free, what
-`kvq_lab.run.config` reads) are `kvq_lab.fit.precision_settings`.
+"""Layer-wise mixed precision (KVTuner-like), the search: per-layer (key bits, value bits) chosen on the loaded model
+under an average-bits budget. The settings, their checks and the per-layer bits file (model-free, what
+`kvq_lab.run.config` reads) are `kvq_lab.fit.precision_settings`; what each choice stores is
+`kvq_lab.fit.precision_costs`; what each choice costs in accuracy is `kvq_lab.fit.precision_sensitivity`.
 
-`precision=search`: after the model loads, (1) measure each layer's sensitivity, (2) count each choice's bytes,
-(3) pick the per-layer bits with the least total sensitivity whose bytes fit the budget, (4) write them to
-`<run folder>/precision.yaml`, which `precision=file precision.path=<that file>` reruns exactly (the same per-layer
-specs, so the same cache).
-
-Sensitivity signal: the KL divergence of the next-token distribution, KL(p_fp || p_q) averaged over the positions
-of `precision.tokens` tokens of text (`precision.source`, GSM8K train by default: text no task scores), with ONE
-layer's keys (or values) fake-quantized at b bits (simulated mode, every token quantized, the run's axes, group
-size, format, transforms and sinks) and everything else exact. Why KL and not the probes' per-layer attention-output
-error: the probes measure each layer in its own units (a relative error at layer 0 and at layer 29 do not cost the
-same), and ignore how the error propagates through the later layers; the logit KL measures the change of the
-next-token distribution itself, what decode perplexity (exp of the mean NLL) and generation read, through the whole
-path. The cost is 2 L |choices| forward passes of the text, each from the quantized layer on (the layers before it
-are exact, their output is kept from one exact run); measured once per model, quantizer settings and text and kept
-on disk, so a sweep over budgets measures once. The search assumes the per-(layer, tensor) KLs add up, which holds for
-small perturbations; it is tested end to end by the mixed-precision experiment, not assumed to be exact.
-
-Bytes, "everything counted as `nbytes()` counts": one packed-cache layer with the run's residual window, sinks,
-transforms and the model's (heads, head dim, dtype) is filled with `precision.tokens` tokens per choice, and its
-key and value streams' `nbytes()` (codes, fp16 parameters, exact window) plus its sinks are what a choice costs.
-Simulated-mode runs store nothing; they are budgeted as the packed cache with the same quantizers (R = 0) would
-store them. The budget is in bits per cached K/V element: stored bits / (2 L H_kv T D).
+`precision=search`: after the model loads, (1) measure each layer's sensitivity (the logit KL with one layer's keys
+or values quantized), (2) count each choice's bytes, (3) pick the per-layer bits with the least total sensitivity
+whose bytes fit the budget, (4) write them to `<run folder>/precision.yaml`, which `precision=file
+precision.path=<that file>` reruns exactly (the same per-layer specs, so the same cache).
 
 Search: an exact multiple-choice knapsack (dynamic programming over total bytes, Pareto-pruned: costs are linear
 in bits, so the frontier holds a few hundred entries), one item per (layer, tensor), one option per choice.
 
-`precision.granularity=head`: the same with one item per (layer, KV head, tensor): the sensitivity of one head's
-keys (values) at b bits, all else exact (2 L H_kv |choices| measurements), and the bytes of a one-head layer (a
-layer's streams, sinks and window are per head, so H_kv of them are the layer's, checked on every measurement). The
-searched layer stores each width's heads as one layer of their own (`kvq_lab.cache.heads`), counted by `nbytes()` as
-the search counts it; formats with a table per tensor (lut, nvfp4) are refused before load.
+`precision.granularity=head`: the same with one item per (layer, KV head, tensor). The searched layer stores each
+width's heads as one layer of their own (`kvq_lab.cache.heads`), counted by `nbytes()` as the search counts it;
+formats with a table per tensor (lut, nvfp4) are refused before load.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvq_lab.cache.config import CacheConfig
-from kvq_lab.common import integrity
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.fit.precision_costs import Costs, flat, measure_costs, shape_costs
+from kvq_lab.fit.precision_sensitivity import (
+    _Tail,
+    cached_sensitivities,
+    sensitivities,
+    sensitivity_dir,
+    sensitivity_text,
+)
 from kvq_lab.fit.precision_settings import check_layers, per_layer, read_file, settings, write_file
 
 log = logging.getLogger("kvq_lab")
 
-
-# -- bytes -----------------------------------------------------------------------------------------------------------
-@dataclass
-class Costs:
-    """Bytes of one unit (a layer, or at head granularity one KV head of a layer) at T tokens: `key[b]`, `value[b]`
-    for each choice b (that tensor's stream as stored), and `fixed` (sinks and other state, the same for every
-    choice); `shared`: bytes a cache holds once for all its layers (rope=pre's position ids). `elements`: 2 H T D, K
-    and V, H the unit's heads. `heads`: units per layer (1, or H_kv at head granularity)."""
-
-    key: dict[int, int]
-    value: dict[int, int]
-    fixed: int
-    elements: int
-    layers: int
-    shared: int = 0
-    heads: int = 1
-
-    @property
-    def units(self) -> int:
-        return self.layers * self.heads
-
-    def bits(self, key_bits: list, value_bits: list) -> float:
-        """Stored bits per K/V element of an assignment (per layer, or per layer a list per head), as `nbytes()`
-        counts them."""
-        kb, vb = flat(key_bits), flat(value_bits)
-        streams = sum(self.key[k] + self.value[v] for k, v in zip(kb, vb, strict=True))
-        total = self.units * self.fixed + self.shared + streams
-        return 8 * total / (self.units * self.elements)
+# the parts, importable from here as before (kvq_lab.fit.checks, the mixed-precision study, the tests)
+__all__ = [
+    "Costs",
+    "_Tail",
+    "cached_sensitivities",
+    "check_budget",
+    "flat",
+    "knapsack",
+    "measure_costs",
+    "metrics",
+    "resolve",
+    "search",
+    "sensitivities",
+    "sensitivity_dir",
+    "sensitivity_text",
+    "shape_costs",
+]
 
 
-def flat(bits: list) -> list[int]:
-    """Per-layer bits, or per-layer lists of per-head bits, as one list of units."""
-    return [b for x in bits for b in (x if isinstance(x, list) else [x])]
-
-
-def measure_costs(model, cache: CacheConfig, choices: list[int], tokens: int, granularity: str = "layer") -> Costs:
-    """`shape_costs` with the loaded model's shape, dtype, device and rotary module."""
-    text_cfg = model.config.get_text_config(decoder=True)
-    D = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-    w = next(model.parameters())
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    shape = (text_cfg.num_hidden_layers, text_cfg.num_key_value_heads, D)
-    return shape_costs(shape, w.dtype, cache, choices, tokens, granularity, w.device, rotary)
-
-
-class _AnyRope:
-    """A rotary module for counting bytes before the model loads (`rope=pre`): standard RoPE cos/sin [B, T, D]; the
-    bytes stored do not depend on the frequencies."""
-
-    def __init__(self, head_dim: int):
-        self.D = head_dim
-
-    def __call__(self, x, position_ids):
-        import torch
-
-        inv = 10000.0 ** (-torch.arange(0, self.D, 2, dtype=torch.float32, device=x.device) / self.D)
-        ang = position_ids.float()[..., None] * inv
-        emb = torch.cat([ang, ang], dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def shape_costs(
-    shape: tuple[int, int, int],
-    dtype,
-    cache: CacheConfig,
-    choices: list[int],
-    tokens: int,
-    granularity: str = "layer",
-    device="cpu",
-    rotary=None,
-) -> Costs:
-    """Fill one packed layer of a model of `shape` (decoder layers, KV heads, head dim) and `dtype` (a torch dtype or
-    its name) with `tokens` random tokens per choice and read its streams' bytes (module docstring); granularity=head:
-    a one-head layer's, checked to be 1/H_kv of the layer's. Needs no model: the check before the load reads the
-    same bytes from the model's files (`check_budget`); `rotary` (rope=pre): the model's rotary module, else one
-    that counts the same."""
-    import torch
-
-    from kvq_lab.cache import QuantizedKVCache
-
-    L, H, D = shape
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    R = cache.residual_length  # 0 in a mode without a window: budgeted as the packed cache without one
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
-    v = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
-    if cache.rope == "pre" and rotary is None:
-        rotary = _AnyRope(D)
-
-    def one(heads: int) -> tuple[dict, dict, int, int]:
-        key, value, fixed = {}, {}, None
-        for b in choices:
-            c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
-            c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
-            c.check_head_dim(D)
-            layer = QuantizedKVCache(c, 1, rotary_emb=rotary).layers[0]
-            layer.update(k[:, :heads], v[:, :heads])
-            key[b], value[b] = layer.k_stream.nbytes(), layer.v_stream.nbytes()
-            shared = 0 if layer._log is None else layer._log.nbytes_for(layer)  # counted by this layer, held once
-            f = layer.nbytes()[0] - key[b] - value[b] - shared
-            if fixed is not None and f != fixed:
-                raise RuntimeError(f"the packed layer's fixed bytes changed with the bits ({fixed} vs {f})")
-            fixed = f
-        return key, value, fixed, shared
-
-    key, value, fixed, shared = one(H)
-    if granularity == "layer":
-        return Costs(key, value, fixed, 2 * H * tokens * D, L, shared)
-    hk, hv, hf, _ = one(1)
-    if (
-        [H * hk[b] for b in choices] != [key[b] for b in choices]
-        or H * hf != fixed
-        or [H * hv[b] for b in choices] != [value[b] for b in choices]
-    ):
-        raise RuntimeError(
-            "a packed layer's bytes are not H_kv times a one-head layer's: per-head costs would be wrong"
-        )
-    return Costs(hk, hv, hf, 2 * tokens * D, L, shared, heads=H)
-
-
-# -- sensitivity -----------------------------------------------------------------------------------------------------
-def sensitivity_text(s: dict[str, Any], data_dir: Path | None) -> str:
-    """The sensitivity text of `precision.source`: calibration's reader (gsm8k_train: the first 600 GSM8K train
-    rows as Question/Answer pairs, from data_dir else the hub; file: `precision.path`), one reader for both."""
-    from kvq_lab.fit.calibration_settings import calibration_text
-
-    return calibration_text({"source": s["source"], "path": s["path"]}, data_dir)[0]
-
-
-class _Tail:
-    """Logits of ids [1, T] with decoder layers from `start` on run through a cache, the layers before `start` taken
-    from the exact run: in every measurement they are exact, so their output is the exact run's (a measurement at
-    layer l then costs L - l layers, about half on average). Used where the model is Llama-shaped (`model.model
-    .layers`, a forward taking `inputs_embeds` as is) and checked once against a whole forward; otherwise whole
-    forwards."""
-
-    def __init__(self, model, ids):
-        import torch
-
-        self.model, self.ids = model, ids
-        inner = getattr(model, "model", None)
-        self.layers = getattr(inner, "layers", None)
-        self.inputs: list = []
-        hooks = []
-        if isinstance(self.layers, torch.nn.ModuleList):
-            for layer in self.layers:
-                hooks.append(layer.register_forward_pre_hook(self._keep, with_kwargs=True))
-        try:
-            self.ref = model(ids).logits[0].float()  # [T, V]
-        finally:
-            for h in hooks:
-                h.remove()
-        self.ok = len(self.inputs) == len(self.layers or ()) and all(x is not None for x in self.inputs)
-        if self.ok:
-            mid = self.logits(len(self.inputs) // 2, None)
-            self.ok = bool(torch.allclose(mid, self.ref, rtol=1e-4, atol=1e-4 * float(self.ref.abs().max())))
-            if not self.ok:
-                log.info("precision: the model's forward from a middle layer differs; whole forwards instead")
-
-    def _keep(self, module, args, kwargs) -> None:
-        """Forward pre-hook of each decoder layer in the exact run: keep its input hidden states [1, T, d]."""
-        self.inputs.append(args[0] if args else kwargs.get("hidden_states"))
-
-    def logits(self, start: int, cache):
-        """[T, V] fp32: layers from `start` on through `cache` (None: exact)."""
-        import torch
-
-        from kvq_lab.models.loading import cache_kwarg
-
-        kw = {} if cache is None else {cache_kwarg(): cache}
-        if not self.ok:
-            return self.model(self.ids, **kw).logits[0].float()
-        inner = self.model.model
-        inner.layers = torch.nn.ModuleList(list(self.layers)[start:])  # attention modules keep their layer_idx
-        try:
-            return self.model(inputs_embeds=self.inputs[start], **kw).logits[0].float()
-        finally:
-            inner.layers = self.layers
-
-
-def sensitivities(model, ids, cache: CacheConfig, choices: list[int], granularity: str = "layer"):
-    """{"key"|"value": {b: [KL per layer]}} (granularity=head: {b: [[KL per KV head] per layer]}): mean KL(p_fp ||
-    p_q) over the positions of ids [1, T] with one layer's (one head's) keys or values fake-quantized at b bits and
-    everything else exact (module docstring)."""
-    import torch
-    from tqdm import tqdm
-
-    from kvq_lab.cache import QuantizedKVCache
-
-    text_cfg = model.config.get_text_config(decoder=True)
-    L, H = text_cfg.num_hidden_layers, text_cfg.num_key_value_heads
-    units = H if granularity == "head" else 1
-    base = replace(cache, mode="simulated", prefill=None, residual_length=0, layers=())
-    exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
-
-    def quantized(tensor: str, b: int, h: int | None) -> CacheConfig:
-        """One layer's config: its keys (values) at b bits, on head h only where h is given."""
-        if h is None:
-            return replace(exact, **{tensor: replace(getattr(base, tensor), bits=b)})
-        pair = (b, 16) if tensor == "key" else (16, b)
-        return replace(exact, head_bits=tuple(pair if j == h else (16, 16) for j in range(H)))
-
-    measured = [b for b in choices if b < 16]
-    bar = tqdm(total=2 * len(measured) * L * units, desc=f"precision: sensitivity per {granularity}", leave=False)
-    with torch.inference_mode(), bar:
-        tail = _Tail(model, ids)
-        ref = torch.log_softmax(tail.ref, -1)  # [T, V]
-        p = ref.exp()
-        out: dict[str, dict[int, list]] = {"key": {}, "value": {}}
-        for tensor in ("key", "value"):
-            for b in choices:
-                kls = []
-                for i in range(L):
-                    row = []
-                    for h in range(units) if b < 16 else ():
-                        one = quantized(tensor, b, h if granularity == "head" else None)
-                        cfg = replace(exact, layers=tuple(one if j == i else exact for j in range(L)))
-                        logp = torch.log_softmax(tail.logits(i, QuantizedKVCache.for_model(model, cfg)), -1)
-                        row.append(float((p * (ref - logp)).sum(-1).mean()))
-                        bar.update()
-                    row = row or [0.0] * units
-                    kls.append(row if granularity == "head" else row[0])
-                out[tensor][b] = kls
-                shown = " ".join(f"{x:.3g}" for x in flat(kls))
-                log.info("precision: %s %d-bit KL per %s %s", tensor, b, granularity, shown)
-    return out
-
-
-def sensitivity_dir() -> Path:
-    return Path(os.environ.get("KVQ_PRECISION_CACHE", Path.home() / ".cache" / "kvq_lab" / "precision"))
-
-
-def cached_sensitivities(
-    model, ids, cache: CacheConfig, choices: list[int], model_id: Any, text: str, granularity: str = "layer"
-):
-    """`sensitivities`, measured once per (model, quantizer settings, choices, text, code version) and kept in
-        $KVQ_PRECISION_CACHE (default ~/.cache/kvq_lab/precision), with its digest beside it, verified on every read:
-    every budget of a sweep reads the same measurement.
-        -> (sensitivities, path of the cached file)."""
-    from kvq_lab.records.provenance import code_version
-
-    # what the measurement reads: the quantizers' settings but not their bits, the run's mode, window or backend
-    base = replace(cache, mode="simulated", prefill=None, residual_length=0, backend="auto", layers=())
-    base = replace(base, key=replace(base.key, bits=2), value=replace(base.value, bits=2))
-    what = {
-        "model": model_id,
-        "cache": asdict(base),
-        "choices": choices,
-        "tokens": int(ids.shape[1]),
-        "text": hashlib.sha256(text.encode()).hexdigest(),
-        "code": code_version(),
-    }
-    if granularity != "layer":  # left out at its default: measurements kept before it existed stay valid
-        what["granularity"] = granularity
-    key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = sensitivity_dir() / f"{key}.json"
-    if path.is_file():
-        try:
-            raw = json.loads(integrity.read_verified(path))
-            log.info("precision: sensitivities from %s (digest verified)", path)
-            return {t: {int(b): v for b, v in d.items()} for t, d in raw.items()}, path
-        except integrity.Corrupt as e:
-            integrity.note_rebuild(e, "measuring again")
-            integrity.remove(path)
-    sens = sensitivities(model, ids, cache, choices, granularity)
-    integrity.write_verified(path, json.dumps(sens).encode())
-    return sens, path
-
-
-# -- search ----------------------------------------------------------------------------------------------------------
 def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] | None:
     """Exact multiple-choice knapsack: items[i] = [(cost, loss) per option]; pick one option per item minimizing the
     total loss with total cost <= capacity (ties: the cheaper). -> option index per item, or None if infeasible.

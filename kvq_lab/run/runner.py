@@ -1,8 +1,9 @@
 """`run(cfg) -> metrics`: the whole pipeline for one config, as a plain function (run.py and tests call it).
 
 config -> validate (no model yet) -> claim the row -> skip if already done -> model -> cache factory -> task ->
-record + W&B. SIGINT/SIGTERM during a run mark its record `interrupted` (with the progress reached) and raise
-`RunInterrupted`; run.py turns that into one line and stops (a sweep stops at the current row).
+record + W&B (`kvq_lab.run.run_record` writes them). SIGINT/SIGTERM during a run mark its record `interrupted` (with
+the progress reached) and raise `RunInterrupted`; run.py turns that into one line and stops (a sweep stops at the
+current row).
 """
 
 from __future__ import annotations
@@ -23,21 +24,24 @@ from pathlib import Path
 
 import torch
 
-from kvq_lab.models.numerics import pin_blas
 from kvq_lab.records.claims import Claim
-from kvq_lab.records.environment import environment
 from kvq_lab.records.record import (
     RECORD,
     mark_died,
     new_run_dir,
-    overwrite_in_place,
     pick_completed,
-    write_json_atomic,
     write_record,
-    write_sidecars,
 )
-from kvq_lab.records.wandb import WandbMirror
-from kvq_lab.run.config import ConfigError, RunConfig, RunPlan, validate
+from kvq_lab.run.config import ConfigError, RunPlan, validate
+from kvq_lab.run.run_record import (
+    mirror,
+    opening_record,
+    progress_text,
+    record_failure,
+    seal,
+    summary_line,
+    write_quietly,
+)
 
 log = logging.getLogger("kvq_lab")
 
@@ -226,26 +230,7 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
     cfg = plan.cfg
     name = run_name(plan)
     run_dir = new_run_dir(plan.results_dir, name)
-    record = {
-        "name": name,
-        "status": "running",
-        "started": datetime.now().isoformat(timespec="microseconds"),  # orders records made within one second
-        "config": cfg.resolved.to_dict(),
-        "config_hash": plan.config_hash,
-        "run_key": plan.run_key,
-        "row_key": plan.row_key,
-        "inputs": plan.inputs,
-        "cache": plan.cache.label(),
-        "cache_config": asdict(plan.cache),
-        "backend": plan.cache.backend,  # the one that runs (`auto` resolved before the run key)
-        "prefill": TASKS[plan.task].prompt_prefill(cfg.task, plan.cache),  # what the prompt's forward read (or None)
-        "experiment": cfg.experiment_name,
-        "sweep": sweep,
-        "env": environment(cfg.device),
-        "blas": pin_blas(),  # how CPU products are computed (kvq_lab.models.numerics): same bits at any thread count
-        "metrics": {},
-        "timings": {},
-    }
+    record = opening_record(plan, name, sweep)
     try:
         write_record(run_dir / RECORD, record)
     except OSError as e:
@@ -306,8 +291,8 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
             progress=progress,
             timings=timer.t,
         )
-        _write_quietly(run_dir / RECORD, record)
-        raise RunInterrupted(e.signame, run_dir / RECORD, _progress_text(progress), reason, e.previous) from None
+        write_quietly(run_dir / RECORD, record)
+        raise RunInterrupted(e.signame, run_dir / RECORD, progress_text(progress), reason, e.previous) from None
     except ConfigError:  # what only the loaded model could tell: rejected like any bad input, nothing left behind
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
@@ -315,104 +300,24 @@ def _run(plan: RunPlan, sweep: str | None, outcome: dict) -> dict[str, float]:
         record.update(
             status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), timings=timer.t
         )
-        _write_quietly(run_dir / RECORD, record)
-        _mirror(cfg, record, run_dir, {}, None, failed=True)
+        write_quietly(run_dir / RECORD, record)
+        mirror(cfg, record, run_dir, {}, None, failed=True)
         raise RunFailed(f"run {name} failed: {type(e).__name__}: {e} (record: {run_dir / RECORD})") from e
 
     bad = [k for k, v in metrics.items() if isinstance(v, float) and math.isnan(v)]
     if bad:
         log.warning("NaN metrics: %s", bad)
     record.update(status="ok", metrics=metrics, timings=timer.t, finished=datetime.now().isoformat(timespec="seconds"))
-    # samples get a file of their own; W&B tables and images are the mirror's copy of what is already here
-    extras = {k: v for k, v in ctx.artifacts.items() if k not in ("samples", "wandb_tables", "wandb_images")}
     try:
-        if extras:
-            record["artifacts"] = write_sidecars(run_dir, extras)
-        if ctx.artifacts.get("samples"):
-            write_json_atomic(run_dir / SAMPLES, ctx.artifacts["samples"])
-            record["samples_file"] = SAMPLES
-        record["wandb_dir"] = _mirror(cfg, record, run_dir, metrics, ctx.artifacts)
-        write_record(run_dir / RECORD, record)
+        seal(cfg, record, run_dir, metrics, ctx.artifacts)
     except OSError as e:
-        where = _record_failure(run_dir, record, f"{type(e).__name__}: {e}")
+        where = record_failure(run_dir, record, f"{type(e).__name__}: {e}")
         print(summary_line(plan, metrics, None))
         raise RecordNotWritten(
             f"run {name} finished (metrics above) but its record could not be written to {run_dir}: {e}; {where}"
         ) from None
     print(summary_line(plan, metrics, run_dir))
     return metrics
-
-
-SAMPLES = "samples.json"
-
-
-def _record_failure(run_dir: Path, record: dict, reason: str) -> str:
-    """The final record could not be written (a full disk, permissions): leave the record `failed` with the reason
-    and the metrics if any write still succeeds (atomically, else in place over the `running` record, whose blocks a
-    full disk can reuse), so no record stays `running`. -> what the record now says, for the message."""
-    failed = {k: v for k, v in record.items() if k not in ("artifacts", "samples_file", "wandb_dir")} | {
-        "status": "failed",
-        "error": f"the record could not be written: {reason}",
-    }
-    path = run_dir / RECORD
-    for write in (write_record, overwrite_in_place):
-        try:
-            write(path, failed)
-            return f"the record {path} says failed"
-        except OSError:
-            continue
-    return f"the record {path} could not be updated either and still says running (it is not a result)"
-
-
-def _write_quietly(path: Path, record: dict) -> None:
-    try:
-        write_record(path, record)
-    except OSError as e:
-        log.error("could not update the record %s: %s", path, e)
-
-
-def _mirror(cfg: RunConfig, record: dict, run_dir, metrics, artifacts, failed: bool = False) -> str | None:
-    """The W&B copy of a finished run (see WandbMirror); a W&B problem never costs the record.
-
-    Grouped by experiment (else by sweep), with every config field, the structured cache config, the run key and
-    the input identities in the run config, so W&B's compare and parallel-coordinates views can select on any."""
-    if cfg.logger.get("name", "none") != "wandb":
-        return None
-    name = record["name"]
-    config = {
-        **record["config"],
-        "cache_config": record["cache_config"],
-        "cache_label": record["cache"],
-        "run_key": record["run_key"],
-        "config_hash": record["config_hash"],
-        "inputs": record["inputs"],
-    }
-    group = cfg.logger.get("group") or record.get("experiment") or record.get("sweep")
-    try:
-        mirror = WandbMirror(cfg.logger, name, config, run_dir, group=group)
-        if not failed:
-            artifacts = artifacts or {}
-            mirror.log(metrics, tables=artifacts.get("wandb_tables"), images=artifacts.get("wandb_images"))
-        return mirror.finish(failed=failed)
-    except Exception as e:  # the record is the source of truth; say what went wrong and go on
-        log.warning("W&B mirror of %s not written: %s: %s", name, type(e).__name__, e)
-        return None
-
-
-def _progress_text(p: dict) -> str:
-    total = f" of {p['total']}" if p.get("total") else ""
-    return f"{p.get('done', 0)}{total} {p.get('unit', 'steps')}"
-
-
-def summary_line(plan: RunPlan, metrics: dict, run_dir: Path | None) -> str:
-    """The metrics in one line, then where the record is (run_dir None: no record holds them)."""
-    shown = ", ".join(
-        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-        for k, v in metrics.items()
-        if not k.startswith("probe/") or k.endswith("/mean")
-    )
-    where = f"record: {run_dir / RECORD}" if run_dir is not None else "record: not written (see the error below)"
-    return f"[{plan.cache.label()}] {shown}\n{where}"
 
 
 __all__ = ["ConfigError", "RecordNotWritten", "RunFailed", "RunInterrupted", "run"]

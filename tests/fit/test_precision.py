@@ -13,7 +13,7 @@ import torch
 from helpers_models import compose, tiny_args
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.fit import precision
+from kvq_lab.fit import precision, precision_sensitivity
 from kvq_lab.fit import precision_settings as precision_config
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.run.config import ConfigError, validate
@@ -342,8 +342,8 @@ def test_sensitivities_measured_once_per_setting(model3, tok, data_dir, tmp_path
     """A second budget reads the first search's measurement (same model, quantizer settings, text); other axes
     measure again."""
     calls = []
-    real = precision.sensitivities
-    monkeypatch.setattr(precision, "sensitivities", lambda *a: calls.append(1) or real(*a))
+    real = precision_sensitivity.sensitivities
+    monkeypatch.setattr(precision_sensitivity, "sensitivities", lambda *a: calls.append(1) or real(*a))
     for budget, axis in ((12.0, "channel"), (14.0, "channel"), (14.0, "token")):
         cfg = {"name": "search", "budget": budget, "choices": [2, 8], "tokens": 64}  # the run's precision section
         base = CacheConfig(key=QuantSpec(2, 32, axis), value=QuantSpec(2, 32, "token"))

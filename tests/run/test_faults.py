@@ -210,7 +210,7 @@ def test_every_committed_record_matches_its_digest():
 def _full_disk_at_the_end(monkeypatch, fail_fallbacks: int):
     """The final record write fails (ENOSPC); so do the first `fail_fallbacks` ways of marking it failed."""
     import kvq_lab.records.record as results
-    import kvq_lab.run.runner as runner
+    import kvq_lab.run.run_record as run_record
 
     failures = {"n": 0}
 
@@ -225,8 +225,8 @@ def _full_disk_at_the_end(monkeypatch, fail_fallbacks: int):
             raise OSError(28, "No space left on device")
         return real(path, record)
 
-    monkeypatch.setattr(runner, "write_record", write)
-    monkeypatch.setattr(runner, "overwrite_in_place", in_place)
+    monkeypatch.setattr(run_record, "write_record", write)
+    monkeypatch.setattr(run_record, "overwrite_in_place", in_place)
 
 
 @pytest.mark.parametrize("fail_fallbacks", [0, 1])

@@ -90,6 +90,20 @@ def fp_rows(ptr, st, idx, ok, d):
 
 
 @triton.jit
+def row_layout(pads_ptr, kst_ptr, kcnt_ptr, vst_ptr, vcnt_ptr, b):
+    """Left-padded row b of the decode kernels (int64 [B] each): (its padding positions, the keys' first history
+    position and count of history positions, the values' same). Without padded rows the kernels use (0, s, n_k, s,
+    n_v) instead: no padding, history right after the s sinks."""
+    return (
+        tl.load(pads_ptr + b),
+        tl.load(kst_ptr + b),
+        tl.load(kcnt_ptr + b),
+        tl.load(vst_ptr + b),
+        tl.load(vcnt_ptr + b),
+    )
+
+
+@triton.jit
 def combine_kernel(part_ptr, o_ptr, sob, soh, Hkv, R, C, D: tl.constexpr, RP: tl.constexpr):
     """The C chunks' partials of one (batch row, kv head) -> its R query heads' outputs (flash-decoding's merge)."""
     bh = tl.program_id(0)
