@@ -23,6 +23,7 @@ from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
 from kvq_lab.cache.knobs import cache_config as cache_from_knobs
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.section import Section
+from kvq_lab.contract import RunConfig
 from kvq_lab.models.noise import NOISE_HELP, parse_noise
 from kvq_lab.run.checks import LOGGER_KEYS, WANDB_MODES, check_keys, check_paths, data_dir
 
@@ -102,45 +103,6 @@ def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="kvq_schema", node=RunSchema)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """A validated run config: typed values and read-only sections (`kvq_lab.common.section.Section`).
-
-    cache: the cache the knobs describe (precision=file's per-layer bits applied; `backend` the one that will run).
-    task, model, logger: their sections as given; calibration, precision: their validated settings (defaults
-    filled); probes: `ProbeSettings` when `probe=true`, else None. model_source: what `model` resolves to (registry
-    name, hub id, folder, GGUF). facts: the model's shape from its files (`ModelFacts`), None for a hub id.
-    resolved: the whole resolved config as Hydra composed it (what the record and W&B carry)."""
-
-    cache: CacheConfig
-    task: Section
-    model: Section
-    logger: Section
-    calibration: Section
-    precision: Section
-    probes: Any
-    limit: int | None
-    seed: int
-    batch_size: int
-    prefix_reuse: bool
-    noise: str
-    probe: bool
-    device: str
-    data_dir: Path | None
-    results_dir: Path
-    run_name: str | None
-    resume: bool
-    resume_dirty: bool
-    experiment_name: str | None
-    model_source: str
-    facts: Any
-    resolved: Section
-
-    @property
-    def dtype(self) -> str:
-        return self.model.get("dtype") or "float32"
 
 
 def _int(c: dict, key: str, lo: int = 0, allow_none: bool = False) -> int | None:
