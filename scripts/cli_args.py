@@ -46,8 +46,8 @@ def within_model(model: str, lengths: list[int], new_tokens: int, shortest: int 
     `new_tokens` decode steps after it (L + new_tokens - 1 positions), fits the positions its files declare; read
     from its files without loading it (a hub id: only the spelling is checked). One line on the first bad one."""
     from kvq_lab.common.errors import ConfigError
-    from kvq_lab.fit.checks import model_facts
     from kvq_lab.models.loading import check_source
+    from kvq_lab.preflight.model import model_facts
 
     short = [n for n in lengths if n < shortest]
     if short:

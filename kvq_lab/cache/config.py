@@ -96,18 +96,18 @@ class CacheConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise QuantConfigError(f"mode={self.mode!r} is not a cache mode; allowed: {', '.join(MODES)}")
+            raise QuantConfigError(f"mode={self.mode!r} is not allowed; choose one of: {', '.join(MODES)}")
         if self.prefill is not None and self.prefill not in PREFILL:
-            raise QuantConfigError(f"prefill={self.prefill!r}; allowed: {', '.join(PREFILL)}")
+            raise QuantConfigError(
+                f"prefill={self.prefill!r} is not allowed; choose exact, quantized or null (the mode's own)"
+            )
         if not self.caps.quantized_prefill and self.prefill == "quantized":
             raise QuantConfigError(
                 f"prefill=quantized with mode={self.mode}: the cache rebuilds K and V from X at decode steps only, its "
                 "prefill attention reads the model's own K/V; use prefill=exact or mode=simulated/packed"
             )
         if self.rope not in ROPE:
-            raise QuantConfigError(
-                f"rope={self.rope!r}; allowed: {', '.join(ROPE)} (quantize keys after or before RoPE)"
-            )
+            raise QuantConfigError(f"rope={self.rope!r} is not allowed; choose one of: {', '.join(ROPE)}")
         kt = check_transforms(self.key_transform, "key", "key_transform")
         if self.rope == "pre" and "rope_pre" not in kt:
             kt = ("rope_pre", *kt)  # rope=pre is the alias; rope_pre must come first, so it goes first
@@ -115,7 +115,7 @@ class CacheConfig:
         object.__setattr__(self, "value_transform", check_transforms(self.value_transform, "value", "value_transform"))
         object.__setattr__(self, "rope", "pre" if "rope_pre" in kt else "post")  # one config, however it was spelled
         if self.backend not in BACKENDS:
-            raise QuantConfigError(f"backend={self.backend!r}; allowed: {', '.join(BACKENDS)}")
+            raise QuantConfigError(f"backend={self.backend!r} is not allowed; choose one of: {', '.join(BACKENDS)}")
         for tensor, spec in (("key", self.key), ("value", self.value)):
             check_format(spec, f"{tensor}_bits", f"{tensor}_format")
         for name in ("residual_length", "sink_tokens"):

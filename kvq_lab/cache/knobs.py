@@ -17,7 +17,7 @@ from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, IDENTITY_BITS, INT_BITS, QuantSpec
 from kvq_lab.quant.transforms import check_transforms
 
-from .config import BACKENDS, MODES, PREFILL, ROPE, SLIDING_WINDOW, CacheConfig
+from .config import SLIDING_WINDOW, CacheConfig
 
 
 def knob(default: Any, doc: str = "", row: str | None = None, factory=None) -> Any:
@@ -279,13 +279,6 @@ def _skip_layers(k: Mapping) -> tuple[int, ...] | str:
     return tuple(sorted(set(items)))
 
 
-def _prefill(k: Mapping) -> str | None:
-    v = k.get("prefill")
-    if v is not None and v not in PREFILL:
-        raise ConfigError(f"prefill={v!r} is not allowed; choose exact, quantized or null (the mode's own)")
-    return v
-
-
 def _recompute_rank(k: Mapping) -> int | None:
     """`recompute.rank` (mode=recompute: cache X's projection on r singular vectors; null: X itself)."""
     r = k.get("recompute") or {}
@@ -304,20 +297,18 @@ def cache_config(knobs: Mapping) -> CacheConfig:
     key_format, key_bits = _code(k, "key")
     value_format, value_bits = _code(k, "value")
     g = _int(k, "group_size", lo=1, hint=" (e.g. 32)")
-    _int(k, "residual_length", lo=0)
-    _int(k, "sink_tokens", lo=0)
-    try:
+    try:  # mode, prefill, rope, backend, residual_length, sink_tokens: checked once, by CacheConfig itself
         return CacheConfig(
             key=QuantSpec(key_bits, g, key_axis, key_format),
             value=QuantSpec(value_bits, g, value_axis, value_format),
-            mode=_choice(k, "mode", MODES),
-            prefill=_prefill(k),
+            mode=k["mode"],
+            prefill=k["prefill"],
             skip_layers=_skip_layers(k),
             **_policy(k),
             residual_length=k["residual_length"],
             sink_tokens=k["sink_tokens"],
-            rope=_choice(k, "rope", ROPE),
-            backend=_choice(k, "backend", BACKENDS),
+            rope=k["rope"],
+            backend=k["backend"],
             key_transform=_transforms(k, "key"),
             value_transform=_transforms(k, "value"),
             key_outliers=k["key_outliers"],

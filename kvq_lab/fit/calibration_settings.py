@@ -12,8 +12,8 @@ fits them. Their text (`calibration.source`) is never the evaluated text:
      question-answering tasks, which read every story.
    - `file`: `calibration.path`, any UTF-8 text.
 
-`kvq_lab.run.config`'s validation calls the checks here (`check_calibration`, `needs_calibration`, `settings`);
-`kvq_lab.fit.checks` the ones that need the model's tokenizer alone (`check_text_length`). Nothing here loads a
+The preflight (`kvq_lab.preflight`) calls the checks here (`check_calibration`, `needs_calibration`, `settings`);
+`kvq_lab.preflight.model` the ones that need the model's tokenizer alone (`check_text_length`). Nothing here loads a
 model; torch is imported inside `token_ids`, so validation stays torch-free.
 """
 

@@ -20,6 +20,7 @@ from typing import Any
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.quant.transforms import get_transform
 
+from . import calibration_settings, precision_settings
 from .calibration_settings import calibration_text
 
 
@@ -92,3 +93,19 @@ def write_fit(path: Path, fitted: CacheConfig, s: dict[str, Any]) -> None:
     buf = io.BytesIO()
     torch.save({"layers": fitted.layers, "transforms": [t for t in transforms if t.fitted], "settings": s}, buf)
     integrity.write_verified(path, buf.getvalue())
+
+
+def fit_pending(cache: CacheConfig, prec: Mapping) -> bool:
+    """Whether something of this run is fitted after the model loads (calibration, a per-layer search)."""
+    return calibration_settings.needs_calibration(cache) or precision_settings.settings(prec)["name"] == "search"
+
+
+def kept_fit(cache: CacheConfig, cal: Mapping, prec: Mapping, data_dir: Path | None, model_id) -> CacheConfig | None:
+    """The fitted cache from the calibration cache, where this run's fit is kept there and matches its digest
+    (read before any model loads, so a rerun finds its completed record at once); None otherwise."""
+    if not calibration_settings.needs_calibration(cache) or precision_settings.settings(prec)["name"] == "search":
+        return None
+    s = calibration_settings.settings(cal)
+    if not calibration_settings.text_at_hand(s, data_dir):
+        return None
+    return read_fit(fit_path(cache, s, data_dir, model_id), cache)

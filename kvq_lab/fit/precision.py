@@ -38,7 +38,7 @@ from kvq_lab.fit.precision_settings import check_layers, per_layer, read_file, s
 
 log = logging.getLogger("kvq_lab")
 
-# the parts, importable from here as before (kvq_lab.fit.checks, the mixed-precision study, the tests)
+# the parts, importable from here as before (kvq_lab.preflight.model, the mixed-precision study, the tests)
 __all__ = [
     "Costs",
     "_Tail",
@@ -85,7 +85,7 @@ def knapsack(items: list[list[tuple[int, float]]], capacity: int) -> list[int] |
 def check_budget(costs: Costs, budget: float, choices: list[int], met: bool = True) -> None:
     """One-line ConfigError where even every unit at the smallest choice stores more than `budget` bits per element
     as `Costs.bits` counts them (codes, parameters, exact windows and sinks; per head where the search is): checked
-    before the load from the model's files (`kvq_lab.fit.checks`), and before any sensitivity is measured. `met`
+    before the load from the model's files (`kvq_lab.preflight.model`), and before any sensitivity is measured. `met`
     False: the search found no assignment (a budget equal to the cheapest, lost to rounding)."""
     U, b = costs.units, min(choices)
     low = costs.bits([b] * U, [b] * U)

@@ -1,6 +1,6 @@
 """Layer-wise mixed precision, the bytes: what each choice of bits costs one unit (a layer, or one KV head of a
 layer), counted as `nbytes()` counts it. The search (`kvq_lab.fit.precision`) budgets with these costs; the check
-before the load (`kvq_lab.fit.checks`) reads the same bytes from the model's files.
+before the load (`kvq_lab.preflight.model`) reads the same bytes from the model's files.
 
 Bytes, "everything counted as `nbytes()` counts": one packed-cache layer with the run's residual window, sinks,
 transforms and the model's (heads, head dim, dtype) is filled with `precision.tokens` tokens per choice, and its

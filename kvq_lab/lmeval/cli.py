@@ -6,11 +6,12 @@
 
 `pretrained` takes what `model.path` takes (registry names such as `smollm2-135m`, hub ids, folders, GGUF files);
 every cache knob of run.py is a model arg (key_axis, value_axis, bits, key_bits, value_bits, group_size,
-residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by the same function
-(`kvq_lab.run.config.cache_config`), so a bad value gets the same one-line error before the model loads; on the command
-line (`kvq-lm-eval`, and `lm_eval` with the plugin hook) before lm-eval even reads its tasks (`check_cli`). So is
-`recompute.rank`, spelled as run.py spells it (mode=recompute: cache X's projection on r singular vectors; not
-given, or None: X itself), checked against the model's config.json before its weights load, as run.py checks it:
+residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by run.py's preflight
+(`kvq_lab.preflight`, in the same order), so a bad value gets the same one-line error before the model loads; on
+the command line (`kvq-lm-eval`, and `lm_eval` with the plugin hook) before lm-eval even reads its tasks
+(`check_cli`). So is `recompute.rank`, spelled as run.py spells it (mode=recompute: cache X's projection on r
+singular vectors; not given, or None: X itself), checked against the model's config.json before its weights load,
+as run.py checks it:
 
     kvq-lm-eval run --model kvq --model_args pretrained=smollm2-135m,mode=recompute,bits=4,recompute.rank=384 ...
 
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import logging
 
-from kvq_lab.cache.checks import check_device
-from kvq_lab.cache.knobs import CACHE_KNOBS, cache_config
+from kvq_lab import preflight
+from kvq_lab.cache.knobs import CACHE_KNOBS
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.fit.calibration_settings import data_dir_from_env
-from kvq_lab.fit.checks import check_against_model, check_recompute, model_facts, resolve_backend, resolve_layers
 from kvq_lab.lmeval.wrapper import QuantCacheLM
-from kvq_lab.models.loading import check_source
 
 log = logging.getLogger("kvq_lab")
 MODEL_ARGS = ("pretrained", "dtype", "device", "revision", "batch_size", "max_batch_size", "max_length", "prefix_reuse")
@@ -51,12 +50,17 @@ def _device(device: str | None) -> str:
     return str(device)
 
 
+def knob_config(args: dict) -> dict:
+    """model_args (cache knobs and `recompute.rank` only) -> the same keys as run.py's config."""
+    args = dict(args)
+    rank = args.pop(RECOMPUTE_RANK, None)
+    return {**args, "recompute": {"rank": rank}}
+
+
 def cache_from_args(args: dict):
     """model_args (cache knobs and `recompute.rank` only) -> CacheConfig, with run.py's defaults for the knobs not
     given."""
-    args = dict(args)
-    rank = args.pop(RECOMPUTE_RANK, None)
-    return cache_config({**args, "recompute": {"rank": rank}})
+    return preflight.cache_config(knob_config(args))
 
 
 def check_model_args(
@@ -68,8 +72,9 @@ def check_model_args(
     prefix_reuse: bool = True,
     **knobs,
 ):
-    """Every check `KvqLM` makes before it loads anything (run.py's, one-line ConfigError) -> (cache config, model
-    name, device). Also run on lm-eval's command line before lm-eval reads its tasks (`check_cli`)."""
+    """Every check `KvqLM` makes before it loads anything -> (cache config, model name, device): lm-eval's own model
+    args, then run.py's preflight less the run's own settings (`kvq_lab.preflight.LMEVAL`, one-line ConfigError).
+    Also run on lm-eval's command line before lm-eval reads its tasks (`check_cli`)."""
     knobs = {k: v for k, v in knobs.items() if k not in ("max_batch_size", "max_length")}
     unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK})
     if unknown:
@@ -79,19 +84,13 @@ def check_model_args(
         raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1 (kvq does not size batches itself)")
     if not isinstance(prefix_reuse, bool):
         raise ConfigError(f"prefix_reuse={prefix_reuse!r} must be true or false")
-    cache = cache_from_args(knobs)
     device = _device(device)
-    try:
-        name = check_source({"path": str(pretrained), "dtype": dtype, "revision": revision})
-    except ConfigError as e:  # the model arg is `pretrained` here
-        raise ConfigError(str(e).replace("model.path=", "pretrained=")) from None
-    check_device(device, cache)
-    if not cache.caps.stores_kv:  # caches X: separable K/V projections and room for the rank, before the weights load
-        check_recompute(cache, name, probes=False)
-    facts = model_facts(name)
-    cache = resolve_layers(cache, facts, name)
-    check_against_model(cache, name, facts, {}, {}, data_dir_from_env())  # calibration's and precision's defaults
-    return resolve_backend(cache, facts), name, device
+    model = {"path": str(pretrained), "dtype": dtype, "revision": revision}
+    c = {**knob_config(knobs), "device": device, "model": model}
+    c.update({s: {} for s in preflight.SECTIONS if s != "model"})  # calibration's and precision's defaults, no task
+    p = preflight.Pending(c, source_arg="pretrained", data_dir=data_dir_from_env())
+    preflight.preflight(p, preflight.LMEVAL)
+    return p.cache, p.model, device
 
 
 def check_cli(argv: list[str]) -> None:

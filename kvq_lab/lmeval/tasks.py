@@ -28,8 +28,8 @@ from kvq_lab.tasks.datasets import (
     TQA_HUB,
 )
 
-if TYPE_CHECKING:  # the runner builds it; tasks only read it
-    from kvq_lab.run.config import RunConfig
+if TYPE_CHECKING:  # built above the tasks (kvq_lab.preflight); tasks only read it
+    from kvq_lab.contract import RunConfig
 
 
 class LmEvalTask(Task):

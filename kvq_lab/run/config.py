@@ -1,10 +1,11 @@
-"""The user's contract: the run config schema, and the typed `RunConfig` built from it once, at the entry point.
+"""The user's config surface: the run config schema, and the typed `RunConfig` built from it once, at the entry point.
 
 Hydra composes `conf/` against `RunSchema` (registered as `kvq_schema`; the cache knobs come from
-`kvq_lab.cache.knobs.CacheKnobs`), so an unknown top-level key fails at compose time. `build(cfg)` then checks every
-value and turns Hydra's config into a frozen `RunConfig` *before any model loads*; each failure is a `ConfigError`
-whose one-line message names the key, the bad value and what is allowed. Nothing below the runner reads Hydra's
-config: tasks, fits and caches get the `RunConfig` (or one of its sections). `validate(cfg)` adds what the run's
+`kvq_lab.cache.knobs.CacheKnobs`), so an unknown top-level key fails at compose time. `build(cfg)` then runs the
+preflight (`kvq_lab.preflight.RUN`: every check, in one order) and turns Hydra's config into a frozen `RunConfig`
+(`kvq_lab.contract`) *before any model loads*; each failure is a `ConfigError` whose one-line message names the key,
+the bad value and what is allowed. Nothing below the runner reads Hydra's config: tasks, fits and caches get the
+`RunConfig` (or one of its sections). `validate(cfg)` adds what the run's
 numbers are computed from (`RunPlan`: inputs, run key).
 """
 
@@ -18,15 +19,25 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvq_lab import preflight
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
-from kvq_lab.cache.knobs import cache_config as cache_from_knobs
 from kvq_lab.common.errors import ConfigError
-from kvq_lab.common.section import Section
+from kvq_lab.contract import RunConfig
 from kvq_lab.models.noise import NOISE_HELP, parse_noise
-from kvq_lab.run.checks import LOGGER_KEYS, WANDB_MODES, check_keys, check_paths, data_dir
+from kvq_lab.preflight import SECTIONS
 
-__all__ = ["ConfigError", "RunConfig", "RunPlan", "RunSchema", "build", "cache_config", "config_hash", "validate"]
+__all__ = [
+    "SECTIONS",
+    "ConfigError",
+    "RunConfig",
+    "RunPlan",
+    "RunSchema",
+    "build",
+    "cache_config",
+    "config_hash",
+    "validate",
+]
 
 
 @dataclass
@@ -95,68 +106,10 @@ class RunSchema(CacheKnobs):
     )
 
 
-SECTIONS = ("model", "task", "logger", "probes", "calibration", "precision")
-
-
 def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="kvq_schema", node=RunSchema)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """A validated run config: typed values and read-only sections (`kvq_lab.common.section.Section`).
-
-    cache: the cache the knobs describe (precision=file's per-layer bits applied; `backend` the one that will run).
-    task, model, logger: their sections as given; calibration, precision: their validated settings (defaults
-    filled); probes: `ProbeSettings` when `probe=true`, else None. model_source: what `model` resolves to (registry
-    name, hub id, folder, GGUF). facts: the model's shape from its files (`ModelFacts`), None for a hub id.
-    resolved: the whole resolved config as Hydra composed it (what the record and W&B carry)."""
-
-    cache: CacheConfig
-    task: Section
-    model: Section
-    logger: Section
-    calibration: Section
-    precision: Section
-    probes: Any
-    limit: int | None
-    seed: int
-    batch_size: int
-    prefix_reuse: bool
-    noise: str
-    probe: bool
-    device: str
-    data_dir: Path | None
-    results_dir: Path
-    run_name: str | None
-    resume: bool
-    resume_dirty: bool
-    experiment_name: str | None
-    model_source: str
-    facts: Any
-    resolved: Section
-
-    @property
-    def dtype(self) -> str:
-        return self.model.get("dtype") or "float32"
-
-
-def _int(c: dict, key: str, lo: int = 0, allow_none: bool = False) -> int | None:
-    v = c.get(key)
-    if v is None and allow_none:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(f"{key}={v!r} must be an integer >= {lo}" + (" or null" if allow_none else ""))
-    return v
-
-
-def _bool(c: dict, key: str) -> bool:
-    v = c.get(key)
-    if not isinstance(v, bool):
-        raise ConfigError(f"{key}={v!r} must be true or false")
-    return v
 
 
 def _container(cfg) -> dict:
@@ -171,115 +124,17 @@ def _container(cfg) -> dict:
 
 def cache_config(cfg) -> CacheConfig:
     """The cache the run asks for, from the top-level knobs (validated, one-line errors); precision=file gives it
-    the file's per-layer key/value bits (`kvq_lab.fit.precision_settings`)."""
-    from kvq_lab.fit import precision_settings
-
-    c = _container(cfg)
-    return precision_settings.apply_file(c.get("precision"), cache_from_knobs(c))
+    the file's per-layer key/value bits (`kvq_lab.preflight.cache_config`)."""
+    return preflight.cache_config(_container(cfg))
 
 
 def build(cfg) -> RunConfig:
-    """Hydra's config (or a plain mapping of it) -> the validated `RunConfig`; no model is loaded. Raises
-    ConfigError (one line, with the fix)."""
-    from kvq_lab.cache.checks import check_device, check_dtype
-    from kvq_lab.fit import calibration_settings, checks, precision_settings
-    from kvq_lab.models.loading import check_source
+    """Hydra's config (or a plain mapping of it) -> the validated `RunConfig`: the preflight's checks in their order
+    (`kvq_lab.preflight.RUN`); no model is loaded. Raises ConfigError (one line, with the fix)."""
     from kvq_lab.plugins import TASKS
 
-    c = _container(cfg)
-    unknown = sorted(set(c) - {f.name for f in fields(RunSchema)})
-    if unknown:  # `+key=value` slips past Hydra's struct check; a typo must not change the run silently
-        raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
-    for s in SECTIONS:
-        c[s] = c.get(s) or {}
-    cache = cache_config(c)
-    check_device(c.get("device"), cache)
-    cache = check_dtype(c["model"].get("dtype"), c.get("device"), cache)  # float64: the CPU reference, PyTorch path
-    precision_settings.check(c["precision"], cache)  # settings, a budget the smallest choice meets, a K/V mode
-    task_name = c["task"].get("name")
-    ddir = data_dir(c)
-    calibration_settings.check_calibration(c["calibration"], cache, task_name, ddir)  # its text exists, not the task's
-    limit = _int(c, "limit", lo=1, allow_none=True)
-    seed, batch_size = _int(c, "seed", lo=0), _int(c, "batch_size", lo=1)
-    flags = {k: _bool(c, k) for k in ("probe", "resume", "resume_dirty", "prefix_reuse")}
-    noise = parse_noise(c.get("noise"))
-    results_dir = check_paths(c)
-    logger = c["logger"].get("name")
-    if logger not in LOGGER_KEYS:
-        raise ConfigError(f"logger={logger!r} is not a logger; choose one of: {', '.join(LOGGER_KEYS)}")
-    check_keys("logger", c["logger"], LOGGER_KEYS[logger])
-    if logger == "wandb" and c["logger"].get("mode") not in WANDB_MODES:
-        raise ConfigError(f"logger.mode={c['logger'].get('mode')!r}; choose offline, online or disabled")
-    if (flags["probe"] or task_name == "probe") and cache.splits_tokens:
-        raise ConfigError(
-            f"the probes measure the error of every token's quantizer; policy={cache.policy}'s tiers and dropped "
-            "tokens are not modelled there: probe with policy=kivi"
-        )
-    probes = None
-    if flags["probe"]:  # the probes' own settings, checked now rather than after a task has run
-        from kvq_lab.probes.settings import ProbeSettings
-
-        try:
-            probes = ProbeSettings.from_dict(c["probes"])
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"probes: {e}") from None
-    if task_name not in TASKS:
-        raise ConfigError(f"task.name={task_name!r} is not a known task; choose one of: {', '.join(sorted(TASKS))}")
-    model = check_source(c["model"])
-    facts = checks.model_facts(model, c["model"].get("head_dim"))
-    cache = checks.resolve_layers(cache, facts, model)
-    checks.check_model_features(cache, facts, model, TASKS[task_name], c["task"])
-    if not cache.caps.stores_kv:  # caches the attention input: the model's projections must allow it
-        checks.check_recompute(cache, model, flags["probe"] or task_name == "probe")
-    run = RunConfig(
-        cache=cache,
-        task=Section(c["task"]),
-        model=Section(c["model"]),
-        logger=Section(c["logger"]),
-        calibration=Section(calibration_settings.settings(c["calibration"])),
-        precision=Section(precision_settings.settings(c["precision"])),
-        probes=probes,
-        limit=limit,
-        seed=seed,
-        batch_size=batch_size,
-        noise=noise,
-        **flags,
-        device=c["device"],
-        data_dir=ddir,
-        results_dir=results_dir,
-        run_name=c.get("run_name"),
-        experiment_name=c.get("experiment_name"),
-        model_source=model,
-        facts=facts,
-        resolved=Section(c),
-    )
-    task = TASKS[task_name]
-    task.check(run, ddir)
-    task.check_positions(run.task, facts.context if facts is not None else None, f"model={model}")
-    check_prompt(task, run.task, cache)
-    dtype = c["model"].get("dtype") or "float32"
-    checks.check_against_model(cache, model, facts, c["calibration"], c["precision"], ddir, c["task"], dtype)
-    return _replace(run, cache=checks.resolve_backend(cache, facts))
-
-
-def check_prompt(task, task_cfg, cache: CacheConfig) -> None:
-    """A policy that means the prompt quantized (`policy=fakequant`, KIVI Table 1) on a task whose prompt's forward
-    would not read the quantized cache (`Task.prompt_prefill`): refused, so the record never names a method that did
-    not run."""
-    if not cache.token_policy().quantizes_prompt:
-        return
-    got = task.prompt_prefill(task_cfg, cache)
-    if got != "quantized":
-        what = "runs no prompt through the cache" if got is None else f"hands the cache the prompt's {got} K/V"
-        raise ConfigError(
-            f"policy={cache.policy} quantizes the prompt (KIVI Table 1), and task={task.name} {what}: use policy=kivi"
-        )
-
-
-def _replace(run: RunConfig, **changes) -> RunConfig:
-    from dataclasses import replace
-
-    return replace(run, **changes)
+    known = frozenset(f.name for f in fields(RunSchema))
+    return preflight.preflight(preflight.Pending(_container(cfg), known=known, tasks=TASKS), preflight.RUN).run
 
 
 @dataclass
@@ -368,7 +223,7 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
 
 def validate(cfg) -> RunPlan:
     """`build` the RunConfig, then identify what its numbers come from (`RunPlan`); no model is loaded."""
-    from kvq_lab.fit import checks
+    from kvq_lab.fit.fit_cache import fit_pending, kept_fit
     from kvq_lab.models.numerics import unpinned_inputs
     from kvq_lab.plugins import TASKS
     from kvq_lab.records.provenance import code_version, library_versions, model_identity, run_key
@@ -384,7 +239,7 @@ def validate(cfg) -> RunPlan:
         **({"numerics": numerics} if numerics else {}),  # only where unpinned: pinned run keys stay as they were
     }
     plan = RunPlan(cfg=run, cache=run.cache, config_hash=h, inputs=inputs, row_key=run_key(h, inputs))
-    fitted = checks.kept_fit(run.cache, run.calibration, run.precision, run.data_dir, inputs["model"])
-    if fitted is not None or not checks.fit_pending(run.cache, run.precision):  # else the key waits for the fit
+    fitted = kept_fit(run.cache, run.calibration, run.precision, run.data_dir, inputs["model"])
+    if fitted is not None or not fit_pending(run.cache, run.precision):  # else the key waits for the fit
         plan.refit(fitted if fitted is not None else run.cache)
     return plan

@@ -17,61 +17,16 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.metric import Metric
 from kvq_lab.common.registry import Registry
-
-if TYPE_CHECKING:  # the runner builds it; tasks only read it
-    from kvq_lab.run.config import RunConfig
-
-
-@dataclass
-class Progress:
-    """How far a running task got, for the record of an interrupted run: `done` units of `unit` out of `total`."""
-
-    unit: str = "steps"
-    done: int = 0
-    total: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "done": self.done, "total": self.total}
-
-
-@dataclass
-class TaskContext:
-    """Everything a task needs. `make_cache()` returns a fresh cache for one generation (None = model default)."""
-
-    model: Any
-    tokenizer: Any
-    make_cache: Callable[[], Any]
-    cfg: RunConfig
-    run_dir: Path
-    data_dir: Path | None
-    limit: int | None
-    cache_config: Any = None  # the run's CacheConfig (what make_cache builds), for tasks that quantize themselves
-    artifacts: dict[str, Any] = field(default_factory=dict)  # extra outputs (tables, figures) for the record/W&B
-    progress: Progress = field(default_factory=Progress)
-
-    def counted_caches(self, unit: str = "generate calls") -> Callable[[], Any]:
-        """`make_cache`, counting generate calls as progress for an interrupted run's record: one cache per call,
-        so asking for the next cache means the previous call finished (`done` counts finished calls, not started
-        ones; a run that ends normally records no progress)."""
-        self.progress.unit = unit
-        made = 0
-
-        def make():
-            nonlocal made
-            self.progress.done = made  # the calls before this one have finished
-            made += 1
-            return self.make_cache()
-
-        return make
-
+from kvq_lab.contract import Progress as Progress  # the contract a task reads (built above it)
+from kvq_lab.contract import RunConfig
+from kvq_lab.contract import TaskContext as TaskContext
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data files: parsed and hashed before any model load

@@ -37,8 +37,8 @@ from . import Task, TaskContext, read_data_file, register_task
 from .datasets import ADVBENCH_DATA as ADVBENCH
 from .datasets import TQA_DATA as TRUTHFULQA
 
-if TYPE_CHECKING:  # the runner builds it; tasks only read it
-    from kvq_lab.run.config import RunConfig
+if TYPE_CHECKING:  # built above the tasks (kvq_lab.preflight); tasks only read it
+    from kvq_lab.contract import RunConfig
 
 log = logging.getLogger("kvq_lab")
 

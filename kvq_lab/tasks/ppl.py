@@ -20,8 +20,8 @@ from kvq_lab.tasks.text import source_files, source_inputs
 from . import Task, TaskContext, read_data_file, register_task
 from .datasets import COQA_DATA, COQA_HUB
 
-if TYPE_CHECKING:  # the runner builds it; tasks only read it
-    from kvq_lab.run.config import RunConfig
+if TYPE_CHECKING:  # built above the tasks (kvq_lab.preflight); tasks only read it
+    from kvq_lab.contract import RunConfig
 
 
 class PplTask(Task):

@@ -40,8 +40,8 @@ from kvq_lab.tasks.chunks import bos_to_add
 
 from . import Task, TaskContext, register_task
 
-if TYPE_CHECKING:  # the runner builds it; tasks only read it
-    from kvq_lab.run.config import RunConfig
+if TYPE_CHECKING:  # built above the tasks (kvq_lab.preflight); tasks only read it
+    from kvq_lab.contract import RunConfig
 
 KINDS = ("passkey", "needle", "variable_tracking")
 PROMPTS = ("chat", "plain")  # task.prompt; the first is the default (conf/task/retrieval.yaml states it too)

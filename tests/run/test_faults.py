@@ -251,7 +251,7 @@ def test_a_disk_that_refuses_every_write_says_the_record_is_stale(tiny_model_dir
 
 
 def test_a_full_disk_before_the_run_is_one_line(tiny_model_dir, data_dir, tmp_path, monkeypatch):
-    import kvq_lab.run.checks as checks
+    import kvq_lab.preflight.settings as checks
 
     monkeypatch.setattr(checks.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
     with pytest.raises(ConfigError, match=r"its disk is full \(4 KiB free") as e:
@@ -383,7 +383,7 @@ def test_errors_the_model_files_can_tell_come_before_the_load(data_dir, tiny_mod
 def test_a_config_rejected_after_the_load_leaves_nothing(tiny_model_dir, data_dir, tmp_path, monkeypatch, caches):
     """Where only the loaded model can tell (a hub model: nothing local to read first), the run is rejected like any
     bad input: one line, no record."""
-    import kvq_lab.fit.checks as checks
+    import kvq_lab.preflight.model as checks
 
     monkeypatch.setattr(checks, "check_against_model", lambda *a: None)  # as for a model known only on the hub
     short = tmp_path / "short.txt"

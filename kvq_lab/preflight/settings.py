@@ -1,6 +1,6 @@
-"""Checks of the run's own settings (the cache, model and fits check theirs): the results folder, the run name, the
-data folder, a logger's keys. Each raises a one-line `ConfigError` naming the value and the fix;
-`kvq_lab.run.config.build` calls them on the composed config (plain values) before anything loads."""
+"""The preflight's checks of the run's own settings (the cache, model and fits check theirs): the results folder, the
+run name, the data folder, a logger's keys, integers and flags. Each raises a one-line `ConfigError` naming the value
+and the fix; `kvq_lab.preflight` runs them on the composed config (plain values) before anything loads."""
 
 from __future__ import annotations
 
@@ -26,6 +26,22 @@ def data_dir(cfg: Mapping) -> Path | None:
 LOGGER_KEYS = {"wandb": ("name", "project", "entity", "mode", "group"), "none": ("name",)}
 WANDB_MODES = (None, "offline", "online", "disabled")
 MIN_FREE = 1 << 20  # bytes a results folder's disk must have free before a run starts (records, index, claims)
+
+
+def integer(c: Mapping, key: str, lo: int = 0, allow_none: bool = False) -> int | None:
+    v = c.get(key)
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ConfigError(f"{key}={v!r} must be an integer >= {lo}" + (" or null" if allow_none else ""))
+    return v
+
+
+def flag(c: Mapping, key: str) -> bool:
+    v = c.get(key)
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}={v!r} must be true or false")
+    return v
 
 
 def check_keys(section: str, d, allowed) -> None:

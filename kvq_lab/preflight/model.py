@@ -1,7 +1,7 @@
-"""What is checked, resolved and looked up from the model's files before its weights load, for a run and for
-lm-eval's `kvq` model alike: the model's shape against the cache (group tiling, transforms, a per-layer bits file),
-the calibration and sensitivity texts against the token counts they must hold (the model's own tokenizer), mode=
-recompute against the architecture, the backend `auto` stands for, and a fit already kept in the calibration cache.
+"""The preflight's checks against the model's files, before its weights load, for a run and for lm-eval's `kvq`
+model alike: the model's shape against the cache (group tiling, transforms, a per-layer bits file), the calibration
+and sensitivity texts against the token counts they must hold (the model's own tokenizer), mode=recompute against the
+architecture, and the backend `auto` stands for. `kvq_lab.preflight` runs them in its order.
 
 Each check raises a one-line `ConfigError`. Sections are the run's validated settings (`calibration`, `precision`,
 `task`, `model`: mappings; `kvq_lab.fit.calibration_settings.settings`, `kvq_lab.fit.precision_settings.settings`).
@@ -15,10 +15,8 @@ from pathlib import Path
 
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common.errors import ConfigError, QuantConfigError
-
-from . import calibration_settings as calibration
-from . import fit_cache
-from . import precision_settings as precision
+from kvq_lab.fit import calibration_settings as calibration
+from kvq_lab.fit import precision_settings as precision
 
 
 def model_facts(model: str, head_dim: int | None = None):
@@ -156,19 +154,3 @@ def resolve_backend(cache: CacheConfig, facts) -> CacheConfig:
         width = cache.recompute_rank or facts.hidden
     name = resolve(cache, width)
     return cache if name is None or name == cache.backend else replace(cache, backend=name)
-
-
-def fit_pending(cache: CacheConfig, prec: Mapping) -> bool:
-    """Whether something of this run is fitted after the model loads (calibration, a per-layer search)."""
-    return calibration.needs_calibration(cache) or precision.settings(prec)["name"] == "search"
-
-
-def kept_fit(cache: CacheConfig, cal: Mapping, prec: Mapping, data_dir: Path | None, model_id) -> CacheConfig | None:
-    """The fitted cache from the calibration cache, where this run's fit is kept there and matches its digest
-    (read before any model loads, so a rerun finds its completed record at once); None otherwise."""
-    if not calibration.needs_calibration(cache) or precision.settings(prec)["name"] == "search":
-        return None
-    s = calibration.settings(cal)
-    if not calibration.text_at_hand(s, data_dir):
-        return None
-    return fit_cache.read_fit(fit_cache.fit_path(cache, s, data_dir, model_id), cache)
