@@ -1,7 +1,7 @@
 """kvq_lab's import graph read from its source with `ast`, every import counted: module level, inside functions, and
 under `if TYPE_CHECKING:` (an annotation names a type, so the module that defines it is a dependency all the same).
 
-Two promises (STYLE habit 8, issue 58 item 1): no import circle between kvq_lab's modules, and no module of a lower
+Two promises (STYLE habit 8): no import circle between kvq_lab's modules, and no module of a lower
 layer imports a higher one, in the layer order of pyproject.toml's first import-linter contract. `lint-imports` and
 tests/test_layering.py check the runtime graph (grimp's); this one also sees what grimp is told to skip.
 Each check is paired with an injected violation it must report."""
@@ -101,8 +101,8 @@ def test_no_lower_layer_imports_a_higher_one():
 
 
 def test_a_type_only_import_upward_is_caught():
-    """The checks can fail: the task registry naming the run config's old home under TYPE_CHECKING (issue 58's
-    circle) is a cycle and an upward import; a function-level import counts the same."""
+    """The checks can fail: the task registry naming the run config's old home under TYPE_CHECKING (the circle
+    before the contract moved down) is a cycle and an upward import; a function-level import counts the same."""
     graph = import_graph()
     graph["kvq_lab.tasks"] = graph["kvq_lab.tasks"] | {"kvq_lab.run.config"}
     assert any({"kvq_lab.tasks", "kvq_lab.run.config"} <= set(c) for c in cycles(graph))

@@ -126,7 +126,7 @@ def test_an_upward_import_is_caught(graph):
     assert {(d.importer, d.imported) for d in broken} == {("kvq_lab.kernels", "kvq_lab.cache")}
 
 
-# --- capabilities, not names (issue 58, items 3 and 4) -------------------------------------------------------------
+# --- capabilities, not names ------------------------------------------------------------------------------------------
 # A check asks what a mode supports (`kvq_lab.cache.modes.Capabilities`), never compares its name, except in the mode's
 # own module; the cache knows no task (a task declares the sequence it caches, `Task.cached_tokens`).
 SCANNED = [*sorted((REPO / "kvq_lab").rglob("*.py")), REPO / "run.py", *sorted((REPO / "scripts").rglob("*.py"))]

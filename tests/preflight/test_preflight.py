@@ -1,4 +1,4 @@
-"""One preflight (issue 58, item 2): run.py, a sweep's rows and lm-eval's `--model kvq` run the same checks, in the
+"""One preflight: run.py, a sweep's rows and lm-eval's `--model kvq` run the same checks, in the
 same order, and a bad value gets the same one line from each, before any model loads."""
 
 from __future__ import annotations
