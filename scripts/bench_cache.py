@@ -16,7 +16,8 @@ per-token, same G and R), and with the hadamard transform on keys and values; ou
 quantizers, fake quant), ours recompute (XQuant-like: the attention input X projected on `--recompute-rank`
 singular vectors of [W_k; W_v], per-channel groups at the same bits, G and R, K and V rebuilt at every step), and
 transformers' QuantizedCache with the quanto and hqq backends at the same bits, group size and residual length (their
-default axes, 0). The bf16 and batch-4 settings run DynamicCache and ours packed (auto, rope=post and pre).
+default axes, 0); the hqq row runs where hqq is installed (`pip install -e ".[hqq]"`, not in the default setup).
+The bf16 and batch-4 settings run DynamicCache and ours packed (auto, rope=post and pre).
 Caches alternate step by step: every cache of a setting and length is prefilled, then they decode in turn, one step
 each, so that load from other processes hits every cache alike (the machine's speed drifts by 10-30% over minutes
 here, while a step takes a fraction of a second); the order changes from round to round (`step_orders`: A, B, C, then
@@ -48,6 +49,7 @@ peak bytes / storage arithmetic (ours packed; else null)"""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import shlex
@@ -71,6 +73,9 @@ from kvq_lab.quant.formats import bits_per_element
 from kvq_lab.quant.reference import code_format
 from kvq_lab.quant.spec import QuantSpec
 from kvq_lab.records.provenance import code_version
+
+# transformers' hqq backend: opt-in (pyproject's `hqq` extra), since installing it slows every transformers import
+HQQ = importlib.util.find_spec("hqq") is not None
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable metal type made it possible "
@@ -133,8 +138,7 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
         Row("ours_recompute", f"ours recompute {bits}b X-C G{G} R{R} rank {rank} ({auto})",
             lambda: QuantizedKVCache.for_model(model, recompute), auto),
         Row("quanto", f"HF quanto {bits}b G{G} R{R}", lambda: QuantizedCache("quanto", model.config, **hf)),
-        Row("hqq", f"HF hqq {bits}b G{G} R{R}", lambda: QuantizedCache("hqq", model.config, **hf)),
-    ]  # fmt: skip
+    ] + [Row("hqq", f"HF hqq {bits}b G{G} R{R}", lambda: QuantizedCache("hqq", model.config, **hf))] * HQQ  # fmt: skip
 
 
 def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
@@ -368,6 +372,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     within_model(args.model, lengths, new_tokens)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not HQQ:
+        print('hqq is not installed: no "HF hqq" row (pip install -e ".[hqq]" adds it)', file=sys.stderr)
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         fail(f"--device {args.device}: this machine has no CUDA GPU; use --device cpu")
