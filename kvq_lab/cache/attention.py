@@ -25,14 +25,26 @@ layer's view (history dequantized and re-rotated), which only the PyTorch path r
 
 from __future__ import annotations
 
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.kernels.view import Unsupported
 
 ATTN_NAME = "kvq_sdpa"
+_sdpa = None  # transformers' `sdpa_attention_forward`, bound by `register()`
+
+
+def register() -> None:
+    """Register `kvq_sdpa` (and its mask: SDPA's) with transformers, once, when a model is first routed: the modules
+    that hold the registries import torch's compiler (~3 s), which a config refused before any load never needs."""
+    global _sdpa
+    if _sdpa is not None:
+        return
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, kvq_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+    _sdpa = sdpa_attention_forward
 
 
 class PackedKV:
@@ -70,6 +82,7 @@ def route_model(model, layers) -> bool:
 
     The routed function passes ordinary tensors to SDPA unchanged, so other caches see the same model.
     """
+    register()
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == "sdpa":
         model.set_attn_implementation(ATTN_NAME)
@@ -89,11 +102,11 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """
     if isinstance(key, MaskedKV):  # a token policy's batch: each row's own columns (the class docstring)
         mask = key.mask(query.shape[2])
-        return sdpa_attention_forward(
+        return _sdpa(
             module, query, key.keys, key.values, mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if not isinstance(key, PackedKV):
-        out = sdpa_attention_forward(
+        out = _sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         observer = getattr(module, "kvq_observer", None)  # a token policy ranking the prompt by its queries
@@ -125,7 +138,7 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     except Unsupported:  # a view with an extension the kernel cannot take with this query or mask (checked first)
         if view.pads is not None:  # a padded batch: the model's SDPA over full K/V
             k, v = layer.materialize()
-            return sdpa_attention_forward(
+            return _sdpa(
                 module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history; the maps made here
@@ -136,6 +149,3 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
 
-
-ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, kvq_sdpa_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
