@@ -102,13 +102,9 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     """
     if isinstance(key, MaskedKV):  # a token policy's batch: each row's own columns (the class docstring)
         mask = key.mask(query.shape[2])
-        return _sdpa(
-            module, query, key.keys, key.values, mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return _sdpa(module, query, key.keys, key.values, mask, dropout=dropout, scaling=scaling, **kwargs)
     if not isinstance(key, PackedKV):
-        out = _sdpa(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        out = _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         observer = getattr(module, "kvq_observer", None)  # a token policy ranking the prompt by its queries
         layer = observer() if observer is not None else None
         if layer is not None and layer.wants_queries(query):
@@ -138,9 +134,7 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     except Unsupported:  # a view with an extension the kernel cannot take with this query or mask (checked first)
         if view.pads is not None:  # a padded batch: the model's SDPA over full K/V
             k, v = layer.materialize()
-            return _sdpa(
-                module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
+            return _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         view = layer.view_for(frozenset())  # rope=pre keys as a dequantized, rotated history; the maps made here
         q = kp.fold_query(query) if kp is not None and kp.foldable else query
         fold_o = vp is not None and vp.foldable
@@ -148,4 +142,3 @@ def kvq_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if fold_o:
         out = vp.fold_output(out)  # values are stored as v M: the output is (A v) M
     return out, None
-
