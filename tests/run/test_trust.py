@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -165,27 +166,33 @@ def test_two_concurrent_sweeps_never_run_a_row_twice(tiny_model_dir, data_dir, t
 # --- signals ----------------------------------------------------------------------------------------------------
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.Popen(
-        [sys.executable, str(REPO / "run.py"), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+class _Run:
+    """run.py in a subprocess, its stderr read as it comes (a thread), so a test can wait for a line of progress."""
 
+    def __init__(self, args: list[str]):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+        cmd = [sys.executable, str(REPO / "run.py"), *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.err = b""
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-def _wait_for_progress(results: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Until a record says `running` and its task has started (the process is inside the task)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if "running" in _statuses(results):
-            time.sleep(4)  # model load and the first decode steps
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the run never started: {proc.poll()} {proc.stderr.read()[-2000:]}")
+    def _read(self) -> None:
+        while chunk := os.read(self.proc.stderr.fileno(), 65536):
+            self.err += chunk
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        """Until stderr shows `text` (a progress bar's unit: the process is inside that stage)."""
+        deadline = time.time() + timeout
+        while text.encode() not in self.err:
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"no {text!r} on stderr: {self.proc.poll()} {self.err[-2000:].decode()}")
+            time.sleep(0.1)
+
+    def finish(self, timeout: float = 300) -> str:
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=30)
+        return self.err.decode()
 
 
 @pytest.mark.slow  # real subprocesses: ~40 s
@@ -193,10 +200,12 @@ def _wait_for_progress(results: Path, proc: subprocess.Popen, timeout: float = 3
 def test_signal_marks_the_record_interrupted_and_stops_the_sweep(tiny_model_dir, data_dir, tmp_path, sig, code):
     args = ["-m", *tiny_args(tiny_model_dir, tmp_path, data_dir), "task.eval_tokens=4000", "task.context_tokens=16",
             "task.windows=1", "key_bits=2,3"]  # fmt: skip
-    proc = _start(args)
-    _wait_for_progress(tmp_path, proc)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
+    run_ = _Run(args)
+    run_.wait_for("decode ppl")  # the first row's decode has started (a fixed wait was too short on a busy machine)
+    time.sleep(1)  # a few steps done
+    run_.proc.send_signal(sig)
+    err = run_.finish()
+    proc = run_.proc
     assert proc.returncode == code, err[-2000:]
     lines = [ln for ln in err.splitlines() if ln.strip() and "it/s]" not in ln and "decode ppl" not in ln]
     stop = next(i for i, ln in enumerate(lines) if ln.startswith(f"interrupted: {sig.name} after "))
