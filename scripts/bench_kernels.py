@@ -166,7 +166,7 @@ def bench_attention(lengths, cases, copy_gbs, Hq=32, Hkv=8, D=128, dtype=torch.f
     rows = []
     for label, rope, B, padded in cases:
         cfg = CacheConfig(
-            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=128,
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", exact_window=128,
             sink_tokens=4, backend="triton", rope=rope,
         )  # fmt: skip
         for T in lengths:
@@ -224,7 +224,7 @@ def sweep(T=32768, batches=(1, 8), Hq=32, Hkv=8, D=128):
     from kvq_lab.kernels.triton import attention_tc
 
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=128, sink_tokens=4, backend="triton")  # fmt: skip
+                      exact_window=128, sink_tokens=4, backend="triton")  # fmt: skip
     rows, default = [], (attention_tc.NUM_WARPS, attention_tc.NUM_STAGES)
     for B in batches:
         layer = PackedLayer(cfg, None, PaddingState())

@@ -105,7 +105,7 @@ def make_caches(model, G: int = 32, R: int = 128) -> list[Cache]:
 
     def ours(bits: int, fmt: str = "int", rope: str = "post"):
         k, v = QuantSpec(bits, G, "channel", format=fmt), QuantSpec(bits, G, "token", format=fmt)
-        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend="auto", rope=rope)
+        cfg = CacheConfig(key=k, value=v, mode="packed", exact_window=R, backend="auto", rope=rope)
         return lambda: QuantizedKVCache.for_model(model, cfg)
 
     hf = dict(nbits=2, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)

@@ -103,7 +103,7 @@ def compile_launch(fn, args, kw):
 
 
 def layer_view(dtype, key, value, D, pads):
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=128,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=128,
                       sink_tokens=4, backend="torch")
     B = len(pads) if pads else 1
     padding, kw = PaddingState(), {}

@@ -4,7 +4,7 @@ kind's `stored_bits(cfg, n_tokens, shape)` is made of (`QuantizedKVCache.stored_
 `cache/bits*` (`format_bits`) is the format's own cost: codes + per-group parameters. The totals (`tensor_bits`) add
 what the methods store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
 
-    exact tokens     sink_tokens, plus residual_length (the window of a mode that keeps one: R tokens at its
+    exact tokens     sink_tokens, plus exact_window (the window of a mode that keeps one: R tokens at its
                      fullest; a mode without a window has R = 0), 16 bits
     quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
@@ -90,7 +90,7 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     spec = getattr(cache, tensor)
     if spec.is_identity:
         return 16.0
-    exact = min(n_tokens, cache.sink_tokens + cache.residual_length)  # R = 0 where the mode keeps no window
+    exact = min(n_tokens, cache.sink_tokens + cache.exact_window)  # R = 0 where the mode keeps no window
     quant = n_tokens - exact
     fmt = code_format(spec)
     bits = exact * 16.0 + quant * bits_per_element(fmt, spec.group_size, spec.axis)

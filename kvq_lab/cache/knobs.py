@@ -81,9 +81,9 @@ class CacheKnobs:
         "what the prompt's forward attends to: `exact` (the K/V the model computed; the cache quantizes afterwards, as "
         "KIVI's kernels and vLLM do) or `quantized` (what the cache returns, prefill included, as KIVI's Table 1, "
         "llama.cpp and transformers' QuantizedCache do); `null`: the mode's own (`simulated`: quantized, `packed` and "
-        "`recompute`: exact), and tasks with `task.prefill=exact` (ppl, fidelity, retrieval) hand the cache exact K/V "
-        "unless `prefill=quantized`. Later chunks of a filled cache read it as stored; token policies (`policy=`) "
-        "read the prompt exactly",
+        "`recompute`: exact), and tasks with `task.prompt_forward=exact` (ppl, fidelity, retrieval) hand the cache "
+        "exact K/V unless `prefill=quantized`. Later chunks of a filled cache read it as stored; token policies "
+        "(`policy=`) read the prompt exactly",
     )
     policy: Any = knob(
         None,
@@ -104,7 +104,11 @@ class CacheKnobs:
         "without them) or a list of layer indices, e.g. `[0,1]`; counted at 16 bits in `nbytes()` and "
         "`cache/bits_total`",
     )
-    residual_length: Any = knob(0, "R, full-precision recent window (packed mode; a multiple of G)")
+    exact_window: Any = knob(
+        0,
+        "R, the most recent tokens kept exact (full precision; packed mode; a multiple of G). Not `residual`, the "
+        "error corrections; formerly `residual_length`",
+    )
     sink_tokens: Any = knob(0, "first N tokens kept in full precision")
     rope: Any = knob(
         "post",
@@ -135,7 +139,7 @@ class CacheKnobs:
     residual: Any = knob(
         None,
         "corrections of the quantization error, stored beside the codes and counted in `nbytes()` (not "
-        "the fp window, `residual_length`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
+        "the fp window, `exact_window`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
         "plus its fp16 norm, rebuilt so that inner products are unbiased; `qjl:<m>:<seed>`; TurboQuant's `_prod` "
         "stage: `quant=turboquant_prod_3b`; on KIVI's keys: `quant=qjl_keys`), `sparse:<frac>` (the largest "
         "errors of each vector as fp16 values and channel indices; GEAR's sparse term), `lowrank:<r>[:<n>]` (the "
@@ -297,7 +301,7 @@ def cache_config(knobs: Mapping) -> CacheConfig:
     key_format, key_bits = _code(k, "key")
     value_format, value_bits = _code(k, "value")
     g = _int(k, "group_size", lo=1, hint=" (e.g. 32)")
-    try:  # mode, prefill, rope, backend, residual_length, sink_tokens: checked once, by CacheConfig itself
+    try:  # mode, prefill, rope, backend, exact_window, sink_tokens: checked once, by CacheConfig itself
         return CacheConfig(
             key=QuantSpec(key_bits, g, key_axis, key_format),
             value=QuantSpec(value_bits, g, value_axis, value_format),
@@ -305,7 +309,7 @@ def cache_config(knobs: Mapping) -> CacheConfig:
             prefill=k["prefill"],
             skip_layers=_skip_layers(k),
             **_policy(k),
-            residual_length=k["residual_length"],
+            exact_window=k["exact_window"],
             sink_tokens=k["sink_tokens"],
             rope=k["rope"],
             backend=k["backend"],

@@ -17,7 +17,7 @@ class Capabilities:
 
     stores_kv: caches K and V (False: one tensor, the attention input X, under the key quantizer; K and V are
         rebuilt from it, so transforms, per-head bits and token tiers, which act on K/V, do not apply).
-    residual_window: keeps the last `residual_length` tokens exact and flushes whole groups (KIVI streaming); False:
+    residual_window: keeps the last `exact_window` tokens exact and flushes whole groups (KIVI streaming); False:
         every cached token is quantized, partial groups zero-padded.
     fake_quant: every cached token, the prompt's included, is quantized and dequantized at once (KIVI Table 1):
         what `policy=fakequant` means.

@@ -5,7 +5,7 @@ What is stored, per layer (positions are absolute cache positions 0..N-1; row b 
     sinks    the first `sink_tokens` real tokens of each row, exact (post-RoPE keys, as the model made them).
     history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), scale/zero per group at the
              format's stored width (fp16; one byte for nvfp4's and mxfp4's scales), widened when read.
-    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and R/16
+    window   the most recent tokens in full precision, a fixed buffer of `exact_window` (R) tokens (and R/16
              spare rows it moves through, one row copied per step: `streams._Window`).
 
 Streaming follows the grouping axis of each tensor (so any axis works for keys or values):
@@ -97,7 +97,7 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
         self.N = 0
         self.pads: list[int] = []
         self.sink_k = self.sink_v = None
-        R, S = cfg.residual_length, cfg.sink_tokens
+        R, S = cfg.exact_window, cfg.sink_tokens
         self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"), cfg.residual("key"))
         self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"), cfg.residual("value"))
         self._fold_pair = self.k_pipe is not None and self.k_pipe.foldable and self.k_pipe == self.v_pipe

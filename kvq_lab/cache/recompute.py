@@ -189,7 +189,7 @@ class RecomputeLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._args = (cfg, rope, padding)
         self.backend = get_backend(cfg.backend, (cfg.key,))
-        self.stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, self.backend)
+        self.stream = make_stream(cfg.key, cfg.exact_window, cfg.sink_tokens, self.backend)
         self.proj: Projection | None = None
         self.pending_x: torch.Tensor | None = None  # X [B, T, d] of the forward in progress, from the hook
         self.sink: torch.Tensor | None = None  # [B, 1, S, r] exact Z of each row's first S real tokens
@@ -224,7 +224,7 @@ class RecomputeLayer(QuantizedLayerBase):
         if self.layer_idx == 0:
             log.warning("mode=recompute: X's width %d is not a power of two; the PyTorch path stores it", w)
         self.backend = get_backend("torch")
-        self.stream = make_stream(self.cfg.key, self.cfg.residual_length, self.cfg.sink_tokens, self.backend)
+        self.stream = make_stream(self.cfg.key, self.cfg.exact_window, self.cfg.sink_tokens, self.backend)
 
     def get_seq_length(self) -> int:
         return self.N
@@ -340,7 +340,7 @@ class RecomputeLayer(QuantizedLayerBase):
         width = cfg.recompute_rank or shape.hidden
         gen = torch.Generator().manual_seed(0)
         z = torch.randn(1, 1, n_tokens, width, generator=gen).to(shape.dtype)
-        stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, get_backend("torch"))
+        stream = make_stream(cfg.key, cfg.exact_window, cfg.sink_tokens, get_backend("torch"))
         pads, (sink,) = left_padded_sinks(PaddingState(), cfg.sink_tokens, z, what="the recompute cache")
         stream.prefill(z, pads)
         return tensor_bytes(sink) + stream.nbytes()

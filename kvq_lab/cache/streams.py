@@ -52,16 +52,14 @@ class Stream(Protocol):
     def nbytes(self) -> int: ...
 
 
-def make_stream(
-    spec: QuantSpec, residual_length: int, sink_tokens: int, backend, outliers=None, residual=None
-) -> Stream:
+def make_stream(spec: QuantSpec, exact_window: int, sink_tokens: int, backend, outliers=None, residual=None) -> Stream:
     """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill.
     outliers: dense-and-sparse elements kept exact in the store (`PackedStore`), or None; residual: corrections of
     the error stored beside the codes (`kvq_lab.quant.residuals.Chain`), or None."""
     if spec.is_identity:
         return ExactStream()
     cls = SlidingStream if spec.axis == "token" else FillStream
-    stream = cls(spec, residual_length, sink_tokens, backend)
+    stream = cls(spec, exact_window, sink_tokens, backend)
     stream.store.outliers, stream.store.residual = outliers, residual
     return stream
 

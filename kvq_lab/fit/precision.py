@@ -94,7 +94,7 @@ def check_budget(costs: Costs, budget: float, choices: list[int], met: bool = Tr
         raise ConfigError(
             f"precision.budget={budget:g} cannot be met: every {unit} at {b} bits stores {low:.4g} bits per element "
             "with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); raise "
-            f"the budget to >= {math.ceil(low * 1000) / 1000:g} or lower residual_length"
+            f"the budget to >= {math.ceil(low * 1000) / 1000:g} or lower exact_window"
         )
 
 

@@ -47,7 +47,7 @@ def quantize_kv(
 
     Sink tokens stay exact and groups start at the first non-sink token; the config's transforms wrap each
     quantizer. Position-dependent transforms (rope=pre) need `rope` (the model's rotary module): the tokens sit at
-    positions 0..T-1. `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
+    positions 0..T-1. `mode`/`exact_window` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
     fake quant). Per-head bits (`head_bits`): each width's heads quantized at their width.
     """
     if cache.head_bits:

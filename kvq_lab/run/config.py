@@ -23,6 +23,7 @@ from kvq_lab import preflight
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.spellings import as_hashed, task_as_hashed
 from kvq_lab.contract import RunConfig
 from kvq_lab.models.noise import NOISE_HELP, parse_noise
 from kvq_lab.preflight import SECTIONS
@@ -212,8 +213,10 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
         c["noise"] = noise
     if precision is not None:
         c["precision"] = precision
-    fitted_out = asdict(cache.unfitted()).items()
+    fitted_out = as_hashed(asdict(cache.unfitted())).items()  # renamed knobs hashed under their old names
     c["cache"] = {k: v for k, v in fitted_out if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
+    if isinstance(c.get("task"), dict):
+        c["task"] = task_as_hashed(c["task"])
     if not needs_calibration(cache):
         c.pop("calibration", None)  # calibration settings only matter to fitted methods
     if not c.get("probe"):

@@ -23,7 +23,7 @@ H, D = 3, 64
 
 def config(mode, R, S, head_bits=(), **kw) -> CacheConfig:
     return CacheConfig(
-        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode=mode, residual_length=R,
+        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode=mode, exact_window=R,
         sink_tokens=S, backend="torch", head_bits=head_bits, **kw,
     )  # fmt: skip
 
@@ -165,7 +165,7 @@ def test_stacked_rows_decode_as_alone():
     ],
 )
 def test_bad_head_bits_fail_in_one_line(kw, match):
-    base = {"mode": "packed", "residual_length": 32, **kw}
+    base = {"mode": "packed", "exact_window": 32, **kw}
     with pytest.raises(QuantConfigError, match=match) as e:
         CacheConfig(**base)
     assert "\n" not in str(e.value)

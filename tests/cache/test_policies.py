@@ -155,7 +155,7 @@ def test_a_left_padded_batch_holds_what_each_prompt_holds_alone(name, mode):
     """At the cache level: row b of a left-padded batch reads what its prompt alone reads, at every step (a token
     policy ranks each row by its own queries and keeps its own tokens)."""
     knobs = {"bits": 2, "backend": "torch", "mode": mode, "sink_tokens": 4, "policy": name}
-    cfg = cache_config({**knobs, "residual_length": 32} if mode == "packed" else knobs)
+    cfg = cache_config({**knobs, "exact_window": 32} if mode == "packed" else knobs)
     lengths, steps = (150, 101), 4
     T = max(lengths)
     g = torch.Generator().manual_seed(2)

@@ -21,7 +21,7 @@ PROMPT = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(
 def recompute_cfg(bits: int, rank: int | None = None, R: int = 0, axis: str = "channel", S: int = 0, backend="torch"):
     spec = QuantSpec(bits, 32, axis)
     return CacheConfig(
-        key=spec, value=spec, mode="recompute", recompute_rank=rank, residual_length=R, sink_tokens=S, backend=backend
+        key=spec, value=spec, mode="recompute", recompute_rank=rank, exact_window=R, sink_tokens=S, backend=backend
     )
 
 
@@ -273,7 +273,7 @@ def test_rank_is_an_lm_eval_model_arg(tiny_model_dir, monkeypatch):
     import kvq_lab.lmeval.cli as kl
     from kvq_lab.run.config import ConfigError
 
-    args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,residual_length=0,backend=torch"
+    args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,exact_window=0,backend=torch"
     full = get_model("kvq").create_from_arg_string(args + ",recompute.rank=128")
     low = get_model("kvq").create_from_arg_string(args + ",recompute.rank=16")
     assert (full.cache_config.mode, full.cache_config.recompute_rank, low.cache_config.recompute_rank) == (

@@ -32,7 +32,7 @@ def rotary(D: int, theta: float = 10000.0) -> RopeHelper:
 
 
 def layer_of(key, value, R, S, D, backend="cpu", rope="pre"):
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend=backend, rope=rope)  # fmt: skip
     return PackedLayer(cfg, rotary(D), PaddingState())
 
@@ -188,7 +188,7 @@ def test_a_caches_layers_share_one_position_buffer(tiny_model):
     from kvq_lab.cache.rope import PositionLog
 
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=32, backend="cpu", rope="pre")  # fmt: skip
+                      exact_window=32, backend="cpu", rope="pre")  # fmt: skip
     prompt = torch.randint(3, tiny_model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(2))
     out, caches = {}, {}
     for name, backend in (("cpu", "cpu"), ("torch", "torch"), ("own", "cpu")):
@@ -235,7 +235,7 @@ def test_rope_pre_generation_goes_through_the_kernel(model_name, request, monkey
     out = {}
     for backend in ("cpu", "torch"):
         cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                          residual_length=32, sink_tokens=2, rope="pre", backend=backend)  # fmt: skip
+                          exact_window=32, sink_tokens=2, rope="pre", backend=backend)  # fmt: skip
         out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 30)
     assert torch.equal(out["cpu"], out["torch"])
     layers = model.config.num_hidden_layers
@@ -290,7 +290,7 @@ def test_half_model_generation_goes_through_the_kernel(tiny_model, dtype, monkey
         out = {}
         for backend in ("cpu", "torch"):
             cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                              residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+                              exact_window=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
             out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 20)
         assert torch.equal(out["cpu"], out["torch"]), rope
     assert len(calls) == 2 * 19 * model.config.num_hidden_layers
@@ -314,7 +314,7 @@ def test_padded_batch_in_the_kernel_matches_attention_over_the_padded_cache(case
     twice its error of fp64. Reading the same view as if unpadded must differ (the oracle can fail)."""
     key, value, R, S, rope, pads, L, T = case
     B, D, r = len(pads), 64, 3
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="cpu", rope=rope)  # fmt: skip
     padding = PaddingState()
     real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]  # [B, L] 0...0 1...1

@@ -307,7 +307,7 @@ def test_bits_count_everything_stored():
     assert tensor_bits(vout, "value", 1024, 2, 64) == pytest.approx(3.0 + 48 / 64)  # one value per token of 64
     nuq = CacheConfig(QuantSpec(3, 32, "channel", "lut", tuple(i / 7 for i in range(8))), QuantSpec(2, 32, "token"))
     assert tensor_bits(nuq, "key", 1024, 2, 64) == pytest.approx(3 + 1 + 8 * 32 / (2 * 1024 * 64))
-    kivi = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", residual_length=128,
+    kivi = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", exact_window=128,
                        sink_tokens=4)  # fmt: skip
     assert tensor_bits(kivi, "key", 1024, 2, 64) == pytest.approx((132 * 16 + 892 * 3) / 1024)
     m = QuantizedKVCache.stored_bits(base, 1024)

@@ -158,7 +158,7 @@ def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, 
     monkeypatch.setattr(PackedLayer, "decode_view", lambda self: calls.append(1) or view(self))
     spy_kept_calls(monkeypatch, lambda call: calls.append(1))
     kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
-    cfg = CacheConfig(kspec, vspec, mode="packed", residual_length=32, sink_tokens=2, backend=backend,
+    cfg = CacheConfig(kspec, vspec, mode="packed", exact_window=32, sink_tokens=2, backend=backend,
                       **transforms_of(spelling, "both"))  # fmt: skip
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
     fused = QuantizedKVCache.for_model(tiny_model, cfg)  # routes the model through kvq_sdpa
@@ -204,7 +204,7 @@ def test_packed_reads_back_what_the_model_made(spelling, tensor, kax, rope):
     position of a packed cache whose quantizer is wrapped in the transform (rope_pre once returned its window
     un-rotated: this is the test that would have caught it)."""
     spec = QuantSpec(8, 32, kax)
-    cfg = CacheConfig(spec, spec, mode="packed", residual_length=32, sink_tokens=2, backend="torch",
+    cfg = CacheConfig(spec, spec, mode="packed", exact_window=32, sink_tokens=2, backend="torch",
                       **transforms_of(spelling, tensor))  # fmt: skip
     layer = PackedLayer(cfg, rope, PaddingState())
     k, v = outliers((1, 2, 120, 64), 9), outliers((1, 2, 120, 64), 10)
@@ -325,7 +325,7 @@ def test_bad_transform_settings_fail_in_one_line_before_load(overrides, message,
 
 @pytest.mark.parametrize(
     "extra",
-    [["mode=packed", "residual_length=32", "backend=torch"], ["mode=simulated", "probe=true"]],
+    [["mode=packed", "exact_window=32", "backend=torch"], ["mode=simulated", "probe=true"]],
     ids=["packed", "simulated+probe"],
 )
 def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):

@@ -183,7 +183,7 @@ class TokenPolicy(Policy):
         if group is not None:
             key, value = replace(key, group_size=group), replace(value, group_size=group)
         return replace(
-            cache, key=key, value=value, sink_tokens=0, residual_length=0, prefill="quantized", policy=DEFAULT_POLICY,
+            cache, key=key, value=value, sink_tokens=0, exact_window=0, prefill="quantized", policy=DEFAULT_POLICY,
             policy_options=(), layers=(), skip_layers=(),
         )  # fmt: skip
 
