@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import Parser, at_least, fail, within_model  # noqa: E402  (the scripts' one-line argument errors)
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.backends import get_backend
+from kvq_lab.cache.routing.backends import get_backend
 from kvq_lab.models.loading import cache_kwarg, load_model
 from kvq_lab.quant.formats import bits_per_element
 from kvq_lab.quant.reference import code_format

@@ -60,7 +60,7 @@ from bench_cache import TEXT, batch_prompt, cache_bytes, clock  # noqa: E402  (t
 from cli_args import Parser, at_least, fail, within_model  # noqa: E402
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
-from kvq_lab.cache.backends import get_backend  # noqa: E402
+from kvq_lab.cache.routing.backends import get_backend  # noqa: E402
 from kvq_lab.models.loading import cache_kwarg, load_model  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
 from kvq_lab.records.provenance import code_version  # noqa: E402

@@ -49,8 +49,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
 from kvq_lab.kernels.triton import attention, attention_tc
 from kvq_lab.kernels.triton import common
 from kvq_lab.quant.spec import QuantSpec

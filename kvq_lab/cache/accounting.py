@@ -20,10 +20,10 @@ what the methods store besides, for a sequence of N tokens of one layer's [H, N,
 A token policy (`kvq_lab.cache.policies`, `Policy.stored_bits`) splits a prompt of N tokens: its sinks and last
 `policy.window` tokens at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers
 in their shares, each at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt
-(`kvq_lab.cache.tiered.TieredLayer.stored_bits`).
+(`kvq_lab.cache.layers.tiered.TieredLayer.stored_bits`).
 
-Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.heads`), so a
-layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
+Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.layers.heads`),
+so a layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
 a codebook or a transform's parameters, once per width).
 
 A mode that caches one tensor instead of K and V (`Capabilities.stores_kv` False: recompute's X) counts its bytes as
@@ -38,10 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvq_lab.cache.config import CacheConfig
 from kvq_lab.quant.outliers import entry_bytes
 from kvq_lab.quant.transforms import get_transform
-
-from .config import CacheConfig
 
 DEFAULT_TOKENS = 1024
 

@@ -41,7 +41,7 @@ class CacheConfig:
         `packed`    -> the real cache: low-bit codes stored, KIVI streaming (exact prefill, fp residual window).
         `recompute` -> XQuant-like: the attention block's normalized input X is cached instead of K and V, with the
                        key quantizer and the packed cache's streaming; K and V are rematerialized at each decode
-                       step (`kvq_lab.cache.recompute`). The value quantizer must equal the key's (one tensor).
+                       step (`kvq_lab.cache.layers.recompute`). The value quantizer must equal the key's (one tensor).
     prefill: what attention reads in the prompt's forward (the first update of an empty cache): `exact` (the K/V as
         the model computed them; the cache quantizes them afterwards) or `quantized` (what the cache stores). None:
         the mode's own (simulated quantized, packed and recompute exact), and tasks that prefill on their own
@@ -69,7 +69,7 @@ class CacheConfig:
         empty when nothing is fitted. `for_layer(i)` picks one.
     head_bits: one layer's (key bits, value bits) per KV head, set by the bits search at head granularity
         (`precision.granularity=head`); empty: every head at `key.bits` / `value.bits`. `head_groups()` gives the
-        heads of each width, which `kvq_lab.cache.heads.HeadsLayer` stores as one layer each.
+        heads of each width, which `kvq_lab.cache.layers.heads.HeadsLayer` stores as one layer each.
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
@@ -228,7 +228,7 @@ class CacheConfig:
     @property
     def splits_tokens(self) -> bool:
         """A token policy (`kvq_lab.cache.policies.TokenPolicy`): the prompt split into tiers after its forward,
-        one prompt at a time (`kvq_lab.cache.tiered`)."""
+        one prompt at a time (`kvq_lab.cache.layers.tiered`)."""
         from kvq_lab.cache.policies import TokenPolicy
 
         return isinstance(self.token_policy(), TokenPolicy)

@@ -13,11 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvq_lab.cache.config import SLIDING_WINDOW, CacheConfig
 from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, IDENTITY_BITS, INT_BITS, QuantSpec
 from kvq_lab.quant.transforms import check_transforms
-
-from .config import SLIDING_WINDOW, CacheConfig
 
 
 def knob(default: Any, doc: str = "", row: str | None = None, factory=None) -> Any:
@@ -68,7 +67,7 @@ class CacheKnobs:
         "simulated",
         "`simulated`: fake quant of every cached token, prefill included (KIVI Table 1); `packed`: the real low-bit "
         "cache; `recompute`: the attention input X is cached instead of K and V (with the key quantizer and the packed "
-        "cache's streaming) and K, V are rebuilt every decode step (XQuant; `kvq_lab/cache/recompute.py`)",
+        "cache's streaming) and K, V are rebuilt every decode step (XQuant; `kvq_lab/cache/layers/recompute.py`)",
     )
     recompute: Any = knob(
         None,

@@ -12,7 +12,7 @@ Search: an exact multiple-choice knapsack (dynamic programming over total bytes,
 in bits, so the frontier holds a few hundred entries), one item per (layer, tensor), one option per choice.
 
 `precision.granularity=head`: the same with one item per (layer, KV head, tensor). The searched layer stores each
-width's heads as one layer of their own (`kvq_lab.cache.heads`), counted by `nbytes()` as the search counts it;
+width's heads as one layer of their own (`kvq_lab.cache.layers.heads`), counted by `nbytes()` as the search counts it;
 formats with a table per tensor (lut, nvfp4) are refused before load.
 """
 

@@ -188,7 +188,7 @@ class RunPlan:
 
 # CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
 CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
-CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
+CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.layers.recompute)
 CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual corrections (kvq_lab.quant.residuals)
 CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
 CACHE_DEFAULTS.update(policy="kivi", policy_options=())  # cache policies (kvq_lab.cache.policies)

@@ -1,4 +1,4 @@
-"""Per-head bits (`CacheConfig.head_bits`, `kvq_lab.cache.heads.HeadsLayer`): each head stored as a layer of its
+"""Per-head bits (`CacheConfig.head_bits`, `kvq_lab.cache.layers.heads.HeadsLayer`): each head stored as a layer of its
 width stores it, in both modes (sinks, window, prefill and decode steps); heads all at the cache's bits are the mode's
 layer bit for bit; bytes are the accounting's arithmetic; a left-padded batch holds what each prompt holds alone;
 bad values fail in one line."""
@@ -13,7 +13,7 @@ from helpers_models import gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.accounting import Shape
-from kvq_lab.cache.heads import HeadsLayer
+from kvq_lab.cache.layers.heads import HeadsLayer
 from kvq_lab.common.errors import QuantConfigError
 from kvq_lab.quant.spec import QuantSpec
 

@@ -9,11 +9,11 @@ from helpers_models import gen
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.attention import ATTN_NAME
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import spare_rows
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.attention import ATTN_NAME
+from kvq_lab.cache.storage.streams import spare_rows
 from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups
 from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec

@@ -21,9 +21,9 @@ from transformers import DynamicCache
 from kvq_lab.cache import QuantizedKVCache
 from kvq_lab.cache.accounting import Shape
 from kvq_lab.cache.knobs import cache_config
+from kvq_lab.cache.layers.tiered import TieredLayer
 from kvq_lab.cache.policies import POLICIES, TokenPolicy, get_policy
 from kvq_lab.cache.policies.scores import received, score
-from kvq_lab.cache.tiered import TieredLayer
 from kvq_lab.common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def _fill(cache, k, v, steps: int, query=None):
     columns row b holds ([1, H, n_b, D] K and V copies; a left-padded batch's padding and a token policy's unheld
     columns left out). `query` [B, Hq, T, D]: handed to a layer that ranks by queries after the prompt, as the routed
     attention hands it."""
-    from kvq_lab.cache.attention import MaskedKV
+    from kvq_lab.cache.routing.attention import MaskedKV
 
     B, T = k.shape[0], k.shape[2] - steps
     valid = cache.padding.valid(B, k.shape[2])

@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.fit import calibration as C
 from kvq_lab.fit.calibration_settings import DEFAULTS, token_ids
 from kvq_lab.fit.capture import capture

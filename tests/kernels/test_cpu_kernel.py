@@ -9,10 +9,10 @@ from conftest import left_padded_prompts, spy_cpu_kernel, spy_kept_calls
 from helpers_models import compose, gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache import backends as backends_mod
-from kvq_lab.cache.backends import get_backend
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.routing import backends as backends_mod
+from kvq_lab.cache.routing.backends import get_backend
 from kvq_lab.kernels import cpu_build, cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, get_format
@@ -406,7 +406,7 @@ def test_hadamard_steps_write_key_and_value_into_the_window(tiny, R, key_axis, m
     straight into the rows of the window buffers they go to (`Stream.slot`): every step's logits are, bit for bit,
     those of transforming into new tensors that the window then copies; and the rows were written in place (where
     both streams keep a window: not with R = 0 and per-token values, which keep none)."""
-    from kvq_lab.cache import streams
+    from kvq_lab.cache.storage import streams
 
     cfg = CacheConfig(
         key=QuantSpec(2, 32, key_axis), value=QuantSpec(2, 32, "token"), mode="packed", backend="cpu",

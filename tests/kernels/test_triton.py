@@ -40,9 +40,9 @@ def _interpreter_only(request):
 
 
 from kvq_lab.cache import CacheConfig  # noqa: E402
-from kvq_lab.cache.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
-from kvq_lab.cache.base import PaddingState  # noqa: E402
-from kvq_lab.cache.packed import PackedLayer  # noqa: E402
+from kvq_lab.cache.layers.base import PaddingState  # noqa: E402
+from kvq_lab.cache.layers.packed import PackedLayer  # noqa: E402
+from kvq_lab.cache.routing.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.kernels import cpu_kernel  # noqa: E402
 from kvq_lab.kernels import triton as tk  # noqa: E402
 from kvq_lab.kernels.torch_path import decode_attention_torch  # noqa: E402
@@ -147,7 +147,7 @@ def test_pre_rope_decode_goes_through_the_kernel(monkeypatch):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     rope = RopeHelper(LlamaRotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64)).to(DEV))
     layers = {}
@@ -230,7 +230,7 @@ def rotary(D: int):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D, max_position_embeddings=2048)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}

@@ -24,9 +24,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.kernels import triton as tk
 from kvq_lab.kernels.triton import attention, dequantize, quantize
 from kvq_lab.quant.formats import default_bits

@@ -191,8 +191,8 @@ def _per_type_rope(model) -> bool:
 
 
 def _xfail_rope_pre(request, model, rope: str) -> None:
-    """rope=pre below 16 bits on a model with per-layer-type RoPE fails: `kvq_lab.cache.rope.RopeHelper` calls the
-    rotary module without a layer type (a TypeError in the run). Strict: the test says when it starts to work."""
+    """rope=pre below 16 bits on a model with per-layer-type RoPE fails: `kvq_lab.cache.routing.rope.RopeHelper` calls
+    the rotary module without a layer type (a TypeError in the run). Strict: the test says when it starts to work."""
     if rope == "pre" and _per_type_rope(model):
         request.applymarker(
             pytest.mark.xfail(raises=TypeError, strict=True, reason="rope=pre: RopeHelper has no per-layer-type RoPE")

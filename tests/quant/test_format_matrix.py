@@ -24,12 +24,12 @@ from helpers_models import gen
 
 import kvq_lab.quant.formats as formats
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache import backends as backends_mod
-from kvq_lab.cache.backends import get_backend
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import spare_rows
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing import backends as backends_mod
+from kvq_lab.cache.routing.backends import get_backend
+from kvq_lab.cache.storage.streams import spare_rows
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, register_format, tensor_nbytes

@@ -19,9 +19,9 @@ from helpers_models import compose
 
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.accounting import tensor_bits
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import bits_per_element, get_format, tensor_nbytes

@@ -323,9 +323,9 @@ def test_packed_outliers_agree_with_simulated(S):
     outliers in the model's dtype) reads back what simulated mode computes, bit for bit (the same mask, the same
     quantizer call), and its bytes count every outlier (value + int32 index: 8 bytes in fp32); without outliers the
     values differ."""
-    from kvq_lab.cache.base import PaddingState
-    from kvq_lab.cache.packed import PackedLayer
-    from kvq_lab.cache.simulated import SimulatedLayer
+    from kvq_lab.cache.layers.base import PaddingState
+    from kvq_lab.cache.layers.packed import PackedLayer
+    from kvq_lab.cache.layers.simulated import SimulatedLayer
 
     k, v = keys(21, spikes=0.01), keys(22, outlier_channels=(9,), gain=30.0)
     th = fit_thresholds(keys(23, spikes=0.01), 0.01)

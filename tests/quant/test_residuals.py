@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.accounting import tensor_bits
-from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.knobs import cache_config
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.simulated_stream import simulate
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.layers.simulated_stream import simulate
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import tensor_nbytes

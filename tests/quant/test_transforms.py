@@ -19,10 +19,10 @@ from helpers_models import compose, tiny_args
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
@@ -387,7 +387,7 @@ def test_rope_rotations_are_the_attention_formula_bit_for_bit(dtype):
 def test_step_position_ids_are_computed_once_per_forward(tiny_model):
     """The layers of one forward pass the same position_ids tensor: one int32 conversion and max for all of them,
     recomputed for another tensor, an in-place change, another start, or an inference tensor whose values changed."""
-    from kvq_lab.cache.rope import step_position_ids
+    from kvq_lab.cache.routing.rope import step_position_ids
 
     helper = RopeHelper(tiny_model.model.rotary_emb)
     pos = torch.tensor([[5], [9]])

@@ -92,7 +92,7 @@ def test_mxfp4_with_backend_auto_warns_once_that_it_takes_the_pytorch_path(monke
     """The C kernel cannot read mxfp4 (its E8M0 scale reads as fp32): `backend=auto` resolves to torch before the
     load, says so once as the README promises, and the record names the backend that runs. Before, the run resolved
     `auto` to torch silently and the warning of the layers' backend selection never came."""
-    from kvq_lab.cache import backends
+    from kvq_lab.cache.routing import backends
     from kvq_lab.kernels import cpu_kernel
 
     if cpu_kernel.build_error() is not None:

@@ -378,7 +378,7 @@ def test_kvq_is_an_lm_eval_model_built_from_model_args(tiny_model_dir):
 
     import kvq_lab.lmeval.cli as kl
     from kvq_lab.cache import QuantizedKVCache
-    from kvq_lab.cache.backends import resolve
+    from kvq_lab.cache.routing.backends import resolve
 
     assert get_model("kvq") is kl.KvqLM
     lm = get_model("kvq").create_from_arg_string(

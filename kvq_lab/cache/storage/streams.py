@@ -29,11 +29,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvq_lab.cache.storage.store import PackedStore, tensor_bytes
 from kvq_lab.kernels.view import StreamView
 from kvq_lab.quant.pack import BLOCK
 from kvq_lab.quant.spec import QuantSpec
-
-from .store import PackedStore, tensor_bytes
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 

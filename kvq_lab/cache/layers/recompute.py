@@ -13,7 +13,7 @@ With r = rank(W) (<= (H_k + H_v) D) the projection loses nothing (W's rows lie i
 the smallest singular directions of W are dropped.
 
 Storage: Z is one `[B, 1, T, r]` tensor under the key quantizer (`cfg.key`: bits, format, group size, axis) with
-the packed cache's streaming and storage (`kvq_lab.cache.streams`: sinks exact, residual window exact, history
+the packed cache's streaming and storage (`kvq_lab.cache.storage.streams`: sinks exact, residual window exact, history
 bit-packed). The value quantizer must equal the key's (`CacheConfig` checks). Prefill attention reads the exact K/V
 the model computed (as the packed cache does); decode steps read K/V rebuilt from the stored Z. Positions are not
 stored: each row's positions are its token order after its left padding (what `generate` passes; checked at every
@@ -33,15 +33,14 @@ import logging
 import torch
 from torch import nn
 
+from kvq_lab.cache.layers.base import PaddingState, QuantizedLayerBase, register_layer
+from kvq_lab.cache.routing.backends import get_backend
+from kvq_lab.cache.routing.rope import position_ids_from
+from kvq_lab.cache.storage.rows import left_padded_sinks
+from kvq_lab.cache.storage.store import tensor_bytes
+from kvq_lab.cache.storage.streams import make_stream
 from kvq_lab.quant.spec import QuantConfigError
 from kvq_lab.quant.transforms.rope_pre import rotate
-
-from .backends import get_backend
-from .base import PaddingState, QuantizedLayerBase, register_layer
-from .rope import position_ids_from
-from .rows import left_padded_sinks
-from .store import tensor_bytes
-from .streams import make_stream
 
 log = logging.getLogger("kvq_lab")
 _HOOK = "_kvq_recompute_hook"  # attribute marking an attention module whose X is captured
