@@ -158,6 +158,7 @@ class CacheKnobs:
 
 CACHE_KNOBS = tuple(f.name for f in fields(CacheKnobs))
 DEFAULTS: dict[str, Any] = {f.name: getattr(CacheKnobs(), f.name) for f in fields(CacheKnobs)}
+_FIELDS = frozenset(f.name for f in fields(CacheConfig))  # knobs of these names are passed to CacheConfig as given
 
 
 def _int(k: Mapping, key: str, lo: int = 0, hint: str = "") -> int:
@@ -293,32 +294,28 @@ def _recompute_rank(k: Mapping) -> int | None:
 
 def cache_config(knobs: Mapping) -> CacheConfig:
     """The cache the knobs describe, every layer alike (validated, one-line errors). Knobs not given take their
-    defaults (`CacheKnobs`); other keys of the mapping are ignored."""
+    defaults (`CacheKnobs`); other keys of the mapping are ignored. A knob named as a `CacheConfig` field and not
+    built here (`mode`, `exact_window`, `key_outliers`, a new knob) is passed through as given: `CacheConfig` checks it,
+    so a new knob needs no line here."""
     k = {**DEFAULTS, **{n: knobs[n] for n in CACHE_KNOBS if n in knobs}}
     key_axis = _choice(k, "key_axis", AXES)
     value_axis = _choice(k, "value_axis", AXES)
     key_format, key_bits = _code(k, "key")
     value_format, value_bits = _code(k, "value")
     g = _int(k, "group_size", lo=1, hint=" (e.g. 32)")
-    try:  # mode, prefill, rope, backend, exact_window, sink_tokens: checked once, by CacheConfig itself
-        return CacheConfig(
-            key=QuantSpec(key_bits, g, key_axis, key_format),
-            value=QuantSpec(value_bits, g, value_axis, value_format),
-            mode=k["mode"],
-            prefill=k["prefill"],
-            skip_layers=_skip_layers(k),
+    try:  # mode, prefill, rope, backend, exact_window, sink_tokens, outliers: checked once, by CacheConfig itself
+        built = {  # the knobs that are not one field each: set for both tensors, sections, lists (checked in order)
+            "key": QuantSpec(key_bits, g, key_axis, key_format),
+            "value": QuantSpec(value_bits, g, value_axis, value_format),
+            "skip_layers": _skip_layers(k),
             **_policy(k),
-            exact_window=k["exact_window"],
-            sink_tokens=k["sink_tokens"],
-            rope=k["rope"],
-            backend=k["backend"],
-            key_transform=_transforms(k, "key"),
-            value_transform=_transforms(k, "value"),
-            key_outliers=k["key_outliers"],
-            value_outliers=k["value_outliers"],
-            key_residual=_residuals(k, "key"),
-            value_residual=_residuals(k, "value"),
-            recompute_rank=_recompute_rank(k),
-        )
+            "key_transform": _transforms(k, "key"),
+            "value_transform": _transforms(k, "value"),
+            "key_residual": _residuals(k, "key"),
+            "value_residual": _residuals(k, "value"),
+            "recompute_rank": _recompute_rank(k),
+        }
+        given = {n: k[n] for n in CACHE_KNOBS if n in _FIELDS and n not in built}  # mode, exact_window, a new knob
+        return CacheConfig(**built, **given)
     except QuantConfigError as e:
         raise ConfigError(str(e)) from None
