@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -186,14 +186,17 @@ class RunPlan:
         return True
 
 
-# CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
-CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
-CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.layers.recompute)
-CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual corrections (kvq_lab.quant.residuals)
-CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
-CACHE_DEFAULTS.update(policy="kivi", policy_options=())  # cache policies (kvq_lab.cache.policies)
-CACHE_DEFAULTS["prefill"] = None  # what the prompt's forward reads (unset: the mode's and the task's own)
-CACHE_DEFAULTS["head_bits"] = ()  # per-head bits (a layer's, set by precision search: hashed via `precision`)
+# The cache fields every config hash holds (those records were first written with). Any other field is hashed only
+# where it differs from its default (`CACHE_DEFAULTS`, derived): a field added later, a new knob included, leaves the
+# hashes of configs that do not set it as they were. Renamed fields go under their old names (`as_hashed`).
+HASHED_ALWAYS = tuple("key value mode exact_window sink_tokens rope backend key_transform value_transform".split())
+CACHE_DEFAULTS = as_hashed(
+    {
+        f.name: f.default_factory() if f.default is MISSING else f.default
+        for f in fields(CacheConfig)
+        if f.name not in HASHED_ALWAYS
+    }
+)
 WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
 
 
