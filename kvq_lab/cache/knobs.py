@@ -5,6 +5,9 @@
 it (tests/run/test_schema.py). `cache_config(knobs)` validates any mapping of knobs (a run config, model args) and
 builds the cache, with one-line `ConfigError`s that name the knob as the user spelled it. Torch-free: a format other
 than int imports the format registry, nothing else.
+
+A new knob that is one `CacheConfig` field is a field here and the same field (with its check) on `CacheConfig`;
+`cache_config` passes it through, and the README's table is regenerated (README.md, "Adding ... / cache knob").
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ __all__ = [
 @dataclass
 class RunSchema(CacheKnobs):
     """Every top-level knob: the cache's (`CacheKnobs`) and the run's, with defaults and meaning (conf/config.yaml
-    sets the same defaults; tests/run/test_schema.py checks both it and the README's knob table against this)."""
+    sets the same defaults where it names a knob; tests/run/test_schema.py checks both it and the README's knob table
+    against this)."""
 
     limit: Any = knob(None, "evaluate only the first N documents of the task")
     seed: Any = knob(0, "seed of every random generator")
