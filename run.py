@@ -72,8 +72,14 @@ def main(cfg: DictConfig) -> float | None:
 def entry() -> None:
     """main(), then a sweep's summary: one line per row, exit status 1 when a row failed or was rejected (printed
     also when a row's interruption ends the sweep, whose exit status stays 128 + the signal)."""
+    from kvq_lab.preflight import check_overrides
     from kvq_lab.run import sweep
 
+    try:
+        check_overrides(sys.argv[1:])  # a renamed knob's old spelling: one line naming the new one, before Hydra
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         main()
     except SystemExit as e:

@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import Parser, at_least, fail, within_model  # noqa: E402  (the scripts' one-line argument errors)
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.backends import get_backend
+from kvq_lab.cache.routing.backends import get_backend
 from kvq_lab.models.loading import cache_kwarg, load_model
 from kvq_lab.quant.formats import bits_per_element
 from kvq_lab.quant.reference import code_format
@@ -107,7 +107,7 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
     auto = get_backend("auto").name
 
     def packed(backend="auto", rope="post", k=spec_k, v=spec_v, transform=()):
-        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend=backend, rope=rope,
+        cfg = CacheConfig(key=k, value=v, mode="packed", exact_window=R, backend=backend, rope=rope,
                           key_transform=transform, value_transform=transform)  # fmt: skip
         return lambda: QuantizedKVCache.for_model(model, cfg)
 
@@ -123,7 +123,7 @@ def make_caches(model, bits: int, G: int, R: int, rank: int = 128, full: bool = 
     lut_k, lut_v = (QuantSpec(bits, G, ax, format="lut") for ax in ("channel", "token"))
     simulated = CacheConfig(key=spec_k, value=spec_v, mode="simulated")
     # one tensor (X's projection) under the key quantizer: the value spec must equal it
-    recompute = CacheConfig(key=spec_k, value=spec_k, mode="recompute", residual_length=R, recompute_rank=rank)
+    recompute = CacheConfig(key=spec_k, value=spec_k, mode="recompute", exact_window=R, recompute_rank=rank)
     hf = dict(nbits=bits, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)
     return rows + [
         Row("ours_packed", f"{name} (torch)", packed("torch"), "torch"),

@@ -89,7 +89,7 @@ def rotary(D: int, device):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D, max_position_embeddings=1 << 17)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
@@ -158,15 +158,15 @@ def fp16_baselines(q, k, v, mask):
 
 def bench_attention(lengths, cases, copy_gbs, Hq=32, Hkv=8, D=128, dtype=torch.float16):
     from kvq_lab.cache import CacheConfig
-    from kvq_lab.cache.base import PaddingState
-    from kvq_lab.cache.packed import PackedLayer
+    from kvq_lab.cache.layers.base import PaddingState
+    from kvq_lab.cache.layers.packed import PackedLayer
     from kvq_lab.kernels import triton as tk
 
     rope_helper = rotary(D, DEV)
     rows = []
     for label, rope, B, padded in cases:
         cfg = CacheConfig(
-            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=128,
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", exact_window=128,
             sink_tokens=4, backend="triton", rope=rope,
         )  # fmt: skip
         for T in lengths:
@@ -218,13 +218,13 @@ def bench_attention(lengths, cases, copy_gbs, Hq=32, Hkv=8, D=128, dtype=torch.f
 def sweep(T=32768, batches=(1, 8), Hq=32, Hkv=8, D=128):
     """The tensor-core route's launch options at T tokens: ms per (warps, stages), eager, KIVI-2 fp16."""
     from kvq_lab.cache import CacheConfig
-    from kvq_lab.cache.base import PaddingState
-    from kvq_lab.cache.packed import PackedLayer
+    from kvq_lab.cache.layers.base import PaddingState
+    from kvq_lab.cache.layers.packed import PackedLayer
     from kvq_lab.kernels import triton as tk
     from kvq_lab.kernels.triton import attention_tc
 
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=128, sink_tokens=4, backend="triton")  # fmt: skip
+                      exact_window=128, sink_tokens=4, backend="triton")  # fmt: skip
     rows, default = [], (attention_tc.NUM_WARPS, attention_tc.NUM_STAGES)
     for B in batches:
         layer = PackedLayer(cfg, None, PaddingState())

@@ -60,7 +60,7 @@ from bench_cache import TEXT, batch_prompt, cache_bytes, clock  # noqa: E402  (t
 from cli_args import Parser, at_least, fail, within_model  # noqa: E402
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache  # noqa: E402
-from kvq_lab.cache.backends import get_backend  # noqa: E402
+from kvq_lab.cache.routing.backends import get_backend  # noqa: E402
 from kvq_lab.models.loading import cache_kwarg, load_model  # noqa: E402
 from kvq_lab.quant.spec import QuantSpec  # noqa: E402
 from kvq_lab.records.provenance import code_version  # noqa: E402
@@ -105,7 +105,7 @@ def make_caches(model, G: int = 32, R: int = 128) -> list[Cache]:
 
     def ours(bits: int, fmt: str = "int", rope: str = "post"):
         k, v = QuantSpec(bits, G, "channel", format=fmt), QuantSpec(bits, G, "token", format=fmt)
-        cfg = CacheConfig(key=k, value=v, mode="packed", residual_length=R, backend="auto", rope=rope)
+        cfg = CacheConfig(key=k, value=v, mode="packed", exact_window=R, backend="auto", rope=rope)
         return lambda: QuantizedKVCache.for_model(model, cfg)
 
     hf = dict(nbits=2, q_group_size=G, residual_length=R, axis_key=0, axis_value=0)

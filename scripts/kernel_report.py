@@ -49,8 +49,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
 from kvq_lab.kernels.triton import attention, attention_tc
 from kvq_lab.kernels.triton import common
 from kvq_lab.quant.spec import QuantSpec
@@ -103,7 +103,7 @@ def compile_launch(fn, args, kw):
 
 
 def layer_view(dtype, key, value, D, pads):
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=128,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=128,
                       sink_tokens=4, backend="torch")
     B = len(pads) if pads else 1
     padding, kw = PaddingState(), {}

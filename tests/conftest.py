@@ -131,7 +131,7 @@ def padded_packed_cache(model, mask: torch.Tensor, rope: str, backend: str):
     from kvq_lab.quant import QuantSpec
 
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+                      exact_window=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
     cache = QuantizedKVCache.for_model(model, cfg)
     cache.set_padding(mask)
     return cache

@@ -31,7 +31,7 @@ def write_record(results: Path, name: str, record: dict, samples: list | None = 
 def config(kb, vb, ka, va, task="coqa_turns", experiment="kivi_axis_table", limit=None, **kw) -> dict:
     return {
         "key_bits": kb, "value_bits": vb, "key_axis": ka, "value_axis": va, "bits": None, "group_size": 32,
-        "residual_length": 0, "sink_tokens": 0, "rope": "post", "mode": "simulated", "limit": limit,
+        "exact_window": 0, "sink_tokens": 0, "rope": "post", "mode": "simulated", "limit": limit,
         "experiment_name": experiment, "task": {"name": task},
         "model": {"name": "smollm2-135m", "path": "smollm2-135m"},
         **kw,

@@ -109,10 +109,10 @@ def test_no_cycle_between_modules(graph):
 def test_an_upward_import_is_caught(graph):
     """The checks can fail: a kernel importing the cache breaks the pipeline layers and makes a cycle."""
     g = grimp.build_graph("kvq_lab", cache_dir=None, exclude_type_checking_imports=True)  # a fresh graph to break
-    g.add_import(importer="kvq_lab.kernels.cpu_kernel", imported="kvq_lab.cache.packed")
+    g.add_import(importer="kvq_lab.kernels.cpu_kernel", imported="kvq_lab.cache.layers.packed")
     edges, _ = part_edges(g)
     assert ["kvq_lab.cache", "kvq_lab.kernels"] in cycles(edges)
-    assert any({"kvq_lab.kernels.cpu_kernel", "kvq_lab.cache.packed"} <= set(c) for c in cycles(module_edges(g)))
+    assert any({"kvq_lab.kernels.cpu_kernel", "kvq_lab.cache.layers.packed"} <= set(c) for c in cycles(module_edges(g)))
 
     contract = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
     present = {m.split(".")[1] for m in graph.modules if m.startswith("kvq_lab.")}
@@ -145,7 +145,7 @@ def _strings(node) -> set[str]:
 
 def mode_name_comparisons(source: str, path: Path) -> list[str]:
     """`path:line` of every comparison with a mode's name (`x.mode == "packed"`, `"recompute" in modes`, `c.get("mode")
-    != "simulated"`) outside that mode's own module (kvq_lab/cache/<mode>.py)."""
+    != "simulated"`) outside that mode's own module (kvq_lab/cache/layers/<mode>.py)."""
     import ast
 
     from kvq_lab.cache.modes import MODES
@@ -154,7 +154,7 @@ def mode_name_comparisons(source: str, path: Path) -> list[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
             names = set().union(*(_strings(o) for o in (node.left, *node.comparators))) & set(MODES)
-            if names - {path.stem} or (names and path.parent != REPO / "kvq_lab" / "cache"):
+            if names - {path.stem} or (names and path.parent != REPO / "kvq_lab" / "cache" / "layers"):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} compares {sorted(names)}")
     return found
 
@@ -187,7 +187,7 @@ def test_a_mode_or_task_name_is_caught():
     """The checks can fail: a mode compared by name in the runner, another mode's name in a mode module, and a task's
     name in the cache are each reported; a mode's own name in its module, and a default (`mode="packed"`), are not."""
     runner, packed, recompute = (
-        REPO / "kvq_lab" / p for p in ("run/runner.py", "cache/packed.py", "cache/recompute.py")
+        REPO / "kvq_lab" / p for p in ("run/runner.py", "cache/layers/packed.py", "cache/layers/recompute.py")
     )
     assert mode_name_comparisons('if cfg.mode == "recompute":\n    pass\n', runner)
     assert mode_name_comparisons('x = c.get("mode") in ("packed", "simulated")\n', runner)

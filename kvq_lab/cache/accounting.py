@@ -4,7 +4,7 @@ kind's `stored_bits(cfg, n_tokens, shape)` is made of (`QuantizedKVCache.stored_
 `cache/bits*` (`format_bits`) is the format's own cost: codes + per-group parameters. The totals (`tensor_bits`) add
 what the methods store besides, for a sequence of N tokens of one layer's [H, N, D] tensor:
 
-    exact tokens     sink_tokens, plus residual_length (the window of a mode that keeps one: R tokens at its
+    exact tokens     sink_tokens, plus exact_window (the window of a mode that keeps one: R tokens at its
                      fullest; a mode without a window has R = 0), 16 bits
     quantized        the other N - S - R tokens at the format's bits per element (codes + scale/zero, whole groups)
     outliers         `fraction` of the quantized elements kept exact: fp16 value + int32 index, 48 bits each, on top
@@ -20,10 +20,10 @@ what the methods store besides, for a sequence of N tokens of one layer's [H, N,
 A token policy (`kvq_lab.cache.policies`, `Policy.stored_bits`) splits a prompt of N tokens: its sinks and last
 `policy.window` tokens at the cache's own cost (the first lines above), the M tokens between them dealt to its tiers
 in their shares, each at its tier's cost (nothing for a dropped tier), all over the N tokens of the prompt
-(`kvq_lab.cache.tiered.TieredLayer.stored_bits`).
+(`kvq_lab.cache.layers.tiered.TieredLayer.stored_bits`).
 
-Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.heads`), so a
-layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
+Per-head bits (`CacheConfig.head_bits`): each width's heads are one layer of their own (`kvq_lab.cache.layers.heads`),
+so a layer's bits are the heads-weighted mean of its widths' costs, each counted with its own heads (per-layer state:
 a codebook or a transform's parameters, once per width).
 
 A mode that caches one tensor instead of K and V (`Capabilities.stores_kv` False: recompute's X) counts its bytes as
@@ -38,10 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvq_lab.cache.config import CacheConfig
 from kvq_lab.quant.outliers import entry_bytes
 from kvq_lab.quant.transforms import get_transform
-
-from .config import CacheConfig
 
 DEFAULT_TOKENS = 1024
 
@@ -90,7 +89,7 @@ def tensor_bits(cache: CacheConfig, tensor: str, n_tokens: int, heads: int, head
     spec = getattr(cache, tensor)
     if spec.is_identity:
         return 16.0
-    exact = min(n_tokens, cache.sink_tokens + cache.residual_length)  # R = 0 where the mode keeps no window
+    exact = min(n_tokens, cache.sink_tokens + cache.exact_window)  # R = 0 where the mode keeps no window
     quant = n_tokens - exact
     fmt = code_format(spec)
     bits = exact * 16.0 + quant * bits_per_element(fmt, spec.group_size, spec.axis)

@@ -8,10 +8,9 @@ import os
 import re
 from dataclasses import replace
 
+from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import DEFAULT_FORMAT
-
-from .config import CacheConfig
 
 
 def check_device(device, cache: CacheConfig) -> None:
@@ -64,7 +63,7 @@ def check_backend_formats(cache: CacheConfig) -> None:
     specs = [s for s in (cache.key, cache.value) if not s.is_identity and s.format != DEFAULT_FORMAT]
     if not cache.caps.fused_decode or cache.backend not in ("cpu", "triton") or not specs:
         return
-    from .backends import check_formats
+    from kvq_lab.cache.routing.backends import check_formats
 
     if cache.backend == "cpu":
         from kvq_lab.kernels import cpu_kernel  # noqa: F401  (declares the formats it reads)

@@ -41,12 +41,12 @@ class CacheConfig:
         `packed`    -> the real cache: low-bit codes stored, KIVI streaming (exact prefill, fp residual window).
         `recompute` -> XQuant-like: the attention block's normalized input X is cached instead of K and V, with the
                        key quantizer and the packed cache's streaming; K and V are rematerialized at each decode
-                       step (`kvq_lab.cache.recompute`). The value quantizer must equal the key's (one tensor).
+                       step (`kvq_lab.cache.layers.recompute`). The value quantizer must equal the key's (one tensor).
     prefill: what attention reads in the prompt's forward (the first update of an empty cache): `exact` (the K/V as
         the model computed them; the cache quantizes them afterwards) or `quantized` (what the cache stores). None:
         the mode's own (simulated quantized, packed and recompute exact), and tasks that prefill on their own
-        (`task.prefill=exact`: exact K/V handed to the cache) keep doing so.
-    residual_length: R, the full-precision window of the packed cache (a multiple of the key group size).
+        (`task.prompt_forward=exact`: exact K/V handed to the cache) keep doing so.
+    exact_window: R, the full-precision window of the packed cache (a multiple of the key group size).
     sink_tokens: the first N tokens of every sequence are kept in full precision (both modes).
     rope: `post` quantizes keys after RoPE (KIVI); `pre` quantizes them before RoPE and re-rotates the
         dequantized keys at their positions (KVQuant): an alias of `rope_pre` first in `key_transform`.
@@ -69,14 +69,14 @@ class CacheConfig:
         empty when nothing is fitted. `for_layer(i)` picks one.
     head_bits: one layer's (key bits, value bits) per KV head, set by the bits search at head granularity
         (`precision.granularity=head`); empty: every head at `key.bits` / `value.bits`. `head_groups()` gives the
-        heads of each width, which `kvq_lab.cache.heads.HeadsLayer` stores as one layer each.
+        heads of each width, which `kvq_lab.cache.layers.heads.HeadsLayer` stores as one layer each.
     """
 
     key: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "channel"))
     value: QuantSpec = field(default_factory=lambda: QuantSpec(2, 32, "token"))
     mode: str = "simulated"
     prefill: str | None = None
-    residual_length: int = 0
+    exact_window: int = 0
     sink_tokens: int = 0
     rope: str = "post"
     backend: str = "auto"
@@ -118,7 +118,7 @@ class CacheConfig:
             raise QuantConfigError(f"backend={self.backend!r} is not allowed; choose one of: {', '.join(BACKENDS)}")
         for tensor, spec in (("key", self.key), ("value", self.value)):
             check_format(spec, f"{tensor}_bits", f"{tensor}_format")
-        for name in ("residual_length", "sink_tokens"):
+        for name in ("exact_window", "sink_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise QuantConfigError(f"{name}={v!r} must be an integer >= 0")
@@ -142,17 +142,17 @@ class CacheConfig:
         self._check_skip_layers()
         self._check_policy()
         self._check_head_bits()
-        if not self.caps.residual_window and self.residual_length:
+        if not self.caps.residual_window and self.exact_window:
             raise QuantConfigError(
-                f"residual_length={self.residual_length} applies to mode=packed only: simulated mode quantizes every "
-                "cached token (KIVI Table 1); set residual_length=0 or mode=packed"
+                f"exact_window={self.exact_window} applies to mode=packed only: simulated mode quantizes every "
+                "cached token (KIVI Table 1); set exact_window=0 or mode=packed"
             )
         self._check_recompute()
-        if self.caps.residual_window and self.residual_length % self.key.group_size and not self.key.is_identity:
+        if self.caps.residual_window and self.exact_window % self.key.group_size and not self.key.is_identity:
             raise QuantConfigError(
-                f"residual_length={self.residual_length} must be a multiple of the key group size "
-                f"{self.key.group_size} (keys are flushed in whole groups); e.g. residual_length="
-                f"{max(self.key.group_size, self.residual_length // self.key.group_size * self.key.group_size)}"
+                f"exact_window={self.exact_window} must be a multiple of the key group size "
+                f"{self.key.group_size} (keys are flushed in whole groups); e.g. exact_window="
+                f"{max(self.key.group_size, self.exact_window // self.key.group_size * self.key.group_size)}"
             )
         self._check_residual_units()
 
@@ -228,7 +228,7 @@ class CacheConfig:
     @property
     def splits_tokens(self) -> bool:
         """A token policy (`kvq_lab.cache.policies.TokenPolicy`): the prompt split into tiers after its forward,
-        one prompt at a time (`kvq_lab.cache.tiered`)."""
+        one prompt at a time (`kvq_lab.cache.layers.tiered`)."""
         from kvq_lab.cache.policies import TokenPolicy
 
         return isinstance(self.token_policy(), TokenPolicy)
@@ -280,12 +280,12 @@ class CacheConfig:
             chain = self.residual(tensor)
             if chain is None or spec.axis != "channel" or spec.is_identity:
                 continue
-            window = self.residual_length or spec.group_size
+            window = self.exact_window or spec.group_size
             if window % chain.block:
                 raise QuantConfigError(
                     f"{tensor}_residual={','.join(getattr(self, f'{tensor}_residual'))} stores blocks of {chain.block} "
                     f"tokens, but per-channel {tensor}s are flushed {window} at a time "
-                    f"(residual_length={self.residual_length}, group_size={spec.group_size}): make residual_length "
+                    f"(exact_window={self.exact_window}, group_size={spec.group_size}): make exact_window "
                     f"a multiple of {chain.block}"
                 )
 
@@ -360,7 +360,7 @@ class CacheConfig:
     def exact_layer(self) -> CacheConfig:
         """A skipped layer's config: the same cache at 16 bits, nothing stored besides the K/V (DynamicCache's)."""
         k, v = QuantSpec(16, self.key.group_size, self.key.axis), QuantSpec(16, self.value.group_size, self.value.axis)
-        keep = {f: getattr(self, f) for f in ("mode", "prefill", "residual_length", "sink_tokens", "backend")}
+        keep = {f: getattr(self, f) for f in ("mode", "prefill", "exact_window", "sink_tokens", "backend")}
         return CacheConfig(key=k, value=v, **keep)
 
     def unfitted(self) -> CacheConfig:

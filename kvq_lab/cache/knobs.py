@@ -5,6 +5,9 @@
 it (tests/run/test_schema.py). `cache_config(knobs)` validates any mapping of knobs (a run config, model args) and
 builds the cache, with one-line `ConfigError`s that name the knob as the user spelled it. Torch-free: a format other
 than int imports the format registry, nothing else.
+
+A new knob that is one `CacheConfig` field is a field here and the same field (with its check) on `CacheConfig`;
+`cache_config` passes it through, and the README's table is regenerated (README.md, "Adding ... / cache knob").
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvq_lab.cache.config import SLIDING_WINDOW, CacheConfig
 from kvq_lab.common.errors import ConfigError, QuantConfigError
 from kvq_lab.quant.spec import AXES, BITS, DEFAULT_BITS, DEFAULT_FORMAT, IDENTITY_BITS, INT_BITS, QuantSpec
 from kvq_lab.quant.transforms import check_transforms
-
-from .config import SLIDING_WINDOW, CacheConfig
 
 
 def knob(default: Any, doc: str = "", row: str | None = None, factory=None) -> Any:
@@ -68,7 +70,7 @@ class CacheKnobs:
         "simulated",
         "`simulated`: fake quant of every cached token, prefill included (KIVI Table 1); `packed`: the real low-bit "
         "cache; `recompute`: the attention input X is cached instead of K and V (with the key quantizer and the packed "
-        "cache's streaming) and K, V are rebuilt every decode step (XQuant; `kvq_lab/cache/recompute.py`)",
+        "cache's streaming) and K, V are rebuilt every decode step (XQuant; `kvq_lab/cache/layers/recompute.py`)",
     )
     recompute: Any = knob(
         None,
@@ -81,9 +83,9 @@ class CacheKnobs:
         "what the prompt's forward attends to: `exact` (the K/V the model computed; the cache quantizes afterwards, as "
         "KIVI's kernels and vLLM do) or `quantized` (what the cache returns, prefill included, as KIVI's Table 1, "
         "llama.cpp and transformers' QuantizedCache do); `null`: the mode's own (`simulated`: quantized, `packed` and "
-        "`recompute`: exact), and tasks with `task.prefill=exact` (ppl, fidelity, retrieval) hand the cache exact K/V "
-        "unless `prefill=quantized`. Later chunks of a filled cache read it as stored; token policies (`policy=`) "
-        "read the prompt exactly",
+        "`recompute`: exact), and tasks with `task.prompt_forward=exact` (ppl, fidelity, retrieval) hand the cache "
+        "exact K/V unless `prefill=quantized`. Later chunks of a filled cache read it as stored; token policies "
+        "(`policy=`) read the prompt exactly",
     )
     policy: Any = knob(
         None,
@@ -104,7 +106,11 @@ class CacheKnobs:
         "without them) or a list of layer indices, e.g. `[0,1]`; counted at 16 bits in `nbytes()` and "
         "`cache/bits_total`",
     )
-    residual_length: Any = knob(0, "R, full-precision recent window (packed mode; a multiple of G)")
+    exact_window: Any = knob(
+        0,
+        "R, the most recent tokens kept exact (full precision; packed mode; a multiple of G). Not `residual`, the "
+        "error corrections; formerly `residual_length`",
+    )
     sink_tokens: Any = knob(0, "first N tokens kept in full precision")
     rope: Any = knob(
         "post",
@@ -135,7 +141,7 @@ class CacheKnobs:
     residual: Any = knob(
         None,
         "corrections of the quantization error, stored beside the codes and counted in `nbytes()` (not "
-        "the fp window, `residual_length`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
+        "the fp window, `exact_window`): `none`, `qjl:<m>` (QJL: m sign bits of a Gaussian sketch of the error "
         "plus its fp16 norm, rebuilt so that inner products are unbiased; `qjl:<m>:<seed>`; TurboQuant's `_prod` "
         "stage: `quant=turboquant_prod_3b`; on KIVI's keys: `quant=qjl_keys`), `sparse:<frac>` (the largest "
         "errors of each vector as fp16 values and channel indices; GEAR's sparse term), `lowrank:<r>[:<n>]` (the "
@@ -155,6 +161,7 @@ class CacheKnobs:
 
 CACHE_KNOBS = tuple(f.name for f in fields(CacheKnobs))
 DEFAULTS: dict[str, Any] = {f.name: getattr(CacheKnobs(), f.name) for f in fields(CacheKnobs)}
+_FIELDS = frozenset(f.name for f in fields(CacheConfig))  # knobs of these names are passed to CacheConfig as given
 
 
 def _int(k: Mapping, key: str, lo: int = 0, hint: str = "") -> int:
@@ -290,32 +297,28 @@ def _recompute_rank(k: Mapping) -> int | None:
 
 def cache_config(knobs: Mapping) -> CacheConfig:
     """The cache the knobs describe, every layer alike (validated, one-line errors). Knobs not given take their
-    defaults (`CacheKnobs`); other keys of the mapping are ignored."""
+    defaults (`CacheKnobs`); other keys of the mapping are ignored. A knob named as a `CacheConfig` field and not
+    built here (`mode`, `exact_window`, `key_outliers`, a new knob) is passed through as given: `CacheConfig` checks it,
+    so a new knob needs no line here."""
     k = {**DEFAULTS, **{n: knobs[n] for n in CACHE_KNOBS if n in knobs}}
     key_axis = _choice(k, "key_axis", AXES)
     value_axis = _choice(k, "value_axis", AXES)
     key_format, key_bits = _code(k, "key")
     value_format, value_bits = _code(k, "value")
     g = _int(k, "group_size", lo=1, hint=" (e.g. 32)")
-    try:  # mode, prefill, rope, backend, residual_length, sink_tokens: checked once, by CacheConfig itself
-        return CacheConfig(
-            key=QuantSpec(key_bits, g, key_axis, key_format),
-            value=QuantSpec(value_bits, g, value_axis, value_format),
-            mode=k["mode"],
-            prefill=k["prefill"],
-            skip_layers=_skip_layers(k),
+    try:  # mode, prefill, rope, backend, exact_window, sink_tokens, outliers: checked once, by CacheConfig itself
+        built = {  # the knobs that are not one field each: set for both tensors, sections, lists (checked in order)
+            "key": QuantSpec(key_bits, g, key_axis, key_format),
+            "value": QuantSpec(value_bits, g, value_axis, value_format),
+            "skip_layers": _skip_layers(k),
             **_policy(k),
-            residual_length=k["residual_length"],
-            sink_tokens=k["sink_tokens"],
-            rope=k["rope"],
-            backend=k["backend"],
-            key_transform=_transforms(k, "key"),
-            value_transform=_transforms(k, "value"),
-            key_outliers=k["key_outliers"],
-            value_outliers=k["value_outliers"],
-            key_residual=_residuals(k, "key"),
-            value_residual=_residuals(k, "value"),
-            recompute_rank=_recompute_rank(k),
-        )
+            "key_transform": _transforms(k, "key"),
+            "value_transform": _transforms(k, "value"),
+            "key_residual": _residuals(k, "key"),
+            "value_residual": _residuals(k, "value"),
+            "recompute_rank": _recompute_rank(k),
+        }
+        given = {n: k[n] for n in CACHE_KNOBS if n in _FIELDS and n not in built}  # mode, exact_window, a new knob
+        return CacheConfig(**built, **given)
     except QuantConfigError as e:
         raise ConfigError(str(e)) from None

@@ -11,13 +11,13 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
-from . import packed, recompute, simulated  # noqa: F401  (importing a layer module registers its mode)
-from .accounting import Shape, format_bits
-from .base import LAYERS, PaddingState
-from .config import CacheConfig
-from .heads import HeadsLayer
-from .rope import RopeHelper
-from .tiered import TieredLayer
+from kvq_lab.cache.accounting import Shape, format_bits
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.cache.layers import packed, recompute, simulated  # noqa: F401  (importing one registers its mode)
+from kvq_lab.cache.layers.base import LAYERS, PaddingState
+from kvq_lab.cache.layers.heads import HeadsLayer
+from kvq_lab.cache.layers.tiered import TieredLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 
 __all__ = ["LAYERS", "QuantizedKVCache"]
 

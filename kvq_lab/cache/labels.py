@@ -8,7 +8,7 @@ from kvq_lab.quant.transforms import get_transform
 
 def label(cfg) -> str:
     """`cfg`'s label (a validated `CacheConfig`: a string `skip_layers` is `sliding_window`)."""
-    extra = f"_R{cfg.residual_length}" if cfg.caps.residual_window else ""
+    extra = f"_R{cfg.exact_window}" if cfg.caps.residual_window else ""
     extra += {None: "", "exact": "_Pexact", "quantized": "_Pquant"}[cfg.prefill]
     extra += f"_r{cfg.recompute_rank}" if cfg.recompute_rank is not None else ""
     extra += f"_S{cfg.sink_tokens}" if cfg.sink_tokens else ""

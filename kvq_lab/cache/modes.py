@@ -2,8 +2,8 @@
 declare what they support the same way).
 
 `CacheConfig.caps` (and `capabilities(mode)` for a record's mode string) is the one lookup; each mode's layer class
-carries its own entry as `caps` (`kvq_lab.cache.base.register_layer`). A new mode is one layer module plus one entry
-here, and every check that reads a capability then knows it.
+carries its own entry as `caps` (`kvq_lab.cache.layers.base.register_layer`). A new mode is one layer module plus one
+entry here, and every check that reads a capability then knows it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class Capabilities:
 
     stores_kv: caches K and V (False: one tensor, the attention input X, under the key quantizer; K and V are
         rebuilt from it, so transforms, per-head bits and token tiers, which act on K/V, do not apply).
-    residual_window: keeps the last `residual_length` tokens exact and flushes whole groups (KIVI streaming); False:
+    residual_window: keeps the last `exact_window` tokens exact and flushes whole groups (KIVI streaming); False:
         every cached token is quantized, partial groups zero-padded.
     fake_quant: every cached token, the prompt's included, is quantized and dequantized at once (KIVI Table 1):
         what `policy=fakequant` means.
@@ -27,7 +27,7 @@ class Capabilities:
     kernels: runs the C and Triton backends (False: the pure-PyTorch reference only).
     fused_decode: decode attention reads the stored K/V codes through the backend's kernels (the formats are checked
         against the kernel; what kernels cannot read, sparse outliers and residuals, is read dequantized).
-    token_policies: a token policy's tiers can hold its tokens (`kvq_lab.cache.tiered`).
+    token_policies: a token policy's tiers can hold its tokens (`kvq_lab.cache.layers.tiered`).
     per_layer_precision: per-layer and per-head bits, and skipped layers, apply.
     """
 

@@ -101,7 +101,7 @@ def calibrate(
     run's task section, whose windows coqa_stories must not overlap), from the disk cache when this
     (model, method, settings, text, code) was fitted before and the kept file matches its digest; `cache` itself
     when nothing in it is fitted."""
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     if not needs_calibration(cache):
         return cache

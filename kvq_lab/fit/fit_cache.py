@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvq_lab.cache.config import CacheConfig
+from kvq_lab.common.spellings import as_hashed
 from kvq_lab.quant.transforms import get_transform
 
 from . import calibration_settings, precision_settings
@@ -34,7 +35,7 @@ def calibration_key(model_id: Any, cache: CacheConfig, s: dict[str, Any], text_s
 
     what = {
         "model": model_id,
-        "cache": asdict(cache.unfitted()),
+        "cache": as_hashed(asdict(cache.unfitted())),
         "settings": s,
         "text": text_sha,
         "code": code_version(),
@@ -48,7 +49,7 @@ def fitted_digest(cache: CacheConfig) -> str | None:
     inputs carry it, so a changed fit is a changed run (`kvq_lab.run.config.RunPlan`)."""
     if not cache.layers:
         return None
-    blob = json.dumps([asdict(c) for c in cache.layers], sort_keys=True, default=str)
+    blob = json.dumps([as_hashed(asdict(c)) for c in cache.layers], sort_keys=True, default=str)  # renamed: as before
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -12,7 +12,7 @@ Search: an exact multiple-choice knapsack (dynamic programming over total bytes,
 in bits, so the frontier holds a few hundred entries), one item per (layer, tensor), one option per choice.
 
 `precision.granularity=head`: the same with one item per (layer, KV head, tensor). The searched layer stores each
-width's heads as one layer of their own (`kvq_lab.cache.heads`), counted by `nbytes()` as the search counts it;
+width's heads as one layer of their own (`kvq_lab.cache.layers.heads`), counted by `nbytes()` as the search counts it;
 formats with a table per tensor (lut, nvfp4) are refused before load.
 """
 
@@ -94,7 +94,7 @@ def check_budget(costs: Costs, budget: float, choices: list[int], met: bool = Tr
         raise ConfigError(
             f"precision.budget={budget:g} cannot be met: every {unit} at {b} bits stores {low:.4g} bits per element "
             "with exact windows and sinks counted (per-channel groups keep up to G tokens exact until full); raise "
-            f"the budget to >= {math.ceil(low * 1000) / 1000:g} or lower residual_length"
+            f"the budget to >= {math.ceil(low * 1000) / 1000:g} or lower exact_window"
         )
 
 

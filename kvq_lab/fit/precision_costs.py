@@ -99,7 +99,7 @@ def shape_costs(
 
     L, H, D = shape
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    R = cache.residual_length  # 0 in a mode without a window: budgeted as the packed cache without one
+    R = cache.exact_window  # 0 in a mode without a window: budgeted as the packed cache without one
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
     v = torch.randn(1, H, tokens, D, generator=gen).to(device, dtype)
@@ -109,7 +109,7 @@ def shape_costs(
     def one(heads: int) -> tuple[dict, dict, int, int]:
         key, value, fixed = {}, {}, None
         for b in choices:
-            c = replace(cache, mode="packed", prefill=None, residual_length=R, backend="torch", layers=())
+            c = replace(cache, mode="packed", prefill=None, exact_window=R, backend="torch", layers=())
             c = replace(c, key=replace(c.key, bits=b), value=replace(c.value, bits=b))
             c.check_head_dim(D)
             layer = QuantizedKVCache(c, 1, rotary_emb=rotary).layers[0]

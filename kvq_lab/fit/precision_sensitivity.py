@@ -30,6 +30,7 @@ from typing import Any
 
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.common import integrity
+from kvq_lab.common.spellings import as_hashed
 from kvq_lab.fit.precision_costs import flat
 
 log = logging.getLogger("kvq_lab")
@@ -106,7 +107,7 @@ def sensitivities(model, ids, cache: CacheConfig, choices: list[int], granularit
     text_cfg = model.config.get_text_config(decoder=True)
     L, H = text_cfg.num_hidden_layers, text_cfg.num_key_value_heads
     units = H if granularity == "head" else 1
-    base = replace(cache, mode="simulated", prefill=None, residual_length=0, layers=())
+    base = replace(cache, mode="simulated", prefill=None, exact_window=0, layers=())
     exact = replace(base, key=replace(base.key, bits=16), value=replace(base.value, bits=16))
 
     def quantized(tensor: str, b: int, h: int | None) -> CacheConfig:
@@ -156,11 +157,11 @@ def cached_sensitivities(
     from kvq_lab.records.provenance import code_version
 
     # what the measurement reads: the quantizers' settings but not their bits, the run's mode, window or backend
-    base = replace(cache, mode="simulated", prefill=None, residual_length=0, backend="auto", layers=())
+    base = replace(cache, mode="simulated", prefill=None, exact_window=0, backend="auto", layers=())
     base = replace(base, key=replace(base.key, bits=2), value=replace(base.value, bits=2))
     what = {
         "model": model_id,
-        "cache": asdict(base),
+        "cache": as_hashed(asdict(base)),  # renamed fields under their old names: kept files stay
         "choices": choices,
         "tokens": int(ids.shape[1]),
         "text": hashlib.sha256(text.encode()).hexdigest(),

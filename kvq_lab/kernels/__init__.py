@@ -9,5 +9,6 @@
 - `triton`: quantize+pack, unpack+dequantize and fused decode attention, a file each (imported only when chosen).
 - `workspace`: reused scratch buffers and small constants.
 
-Nothing here imports `kvq_lab.cache`: the cache builds the views and chooses the kernel (`kvq_lab.cache.backends`).
+Nothing here imports `kvq_lab.cache`: the cache builds the views and chooses the kernel
+(`kvq_lab.cache.routing.backends`).
 """

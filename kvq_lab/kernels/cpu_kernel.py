@@ -119,7 +119,7 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> bool:
     """The kernel reads sinks and windows in an fp32, fp16 or bf16 model's dtype on the CPU, masks shared by the
     query heads, and rope=pre keys from a `RopeView`; other dtypes, devices, head sizes or masks take the PyTorch
     path (same results: `decode_attention` falls back itself for a plain view and raises `Unsupported` for a view
-    with `rope` or `pads`, which `kvq_lab.cache.attention` rebuilds or materializes)."""
+    with `rope` or `pads`, which `kvq_lab.cache.routing.attention` rebuilds or materializes)."""
     return _supports(view, query) and _mask_ok(mask, query.shape[0])
 
 
@@ -185,7 +185,7 @@ def decode_attention(view: DecodeView, query: torch.Tensor, mask, scaling: float
         if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
                 "the CPU kernel cannot take this query or mask; rebuild the view without `rope`, `pads` and "
-                "`hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.attention does)"
+                "`hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.routing.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
     return _call(view, _arg_block(view, query), query, add, scaling)
@@ -244,10 +244,11 @@ class KeptCall:
     """`decode_attention` over one layer's views, kept from one decode step to the next: the argument block of the
     view it was made from, with only what a step moves written in (N, the attended sinks, and per stream the history
     length, the window's rows and length, the sinks' tensor) instead of ~80 fields rebuilt from a new view (in the
-    model, ~150 us of Python per layer and step). The caller (the cache layer, `kvq_lab.cache.packed_decode`) keeps it
-    only while the view's other tensors are the same (codes, parameters, window buffer, rope table and positions) and
-    calls it with the view's moving parts; where a step moves anything else (a history appears where there was none,
-    another query layout, a mask the kernel cannot take) it returns None and the caller builds a new view."""
+    model, ~150 us of Python per layer and step). The caller (the cache layer, `kvq_lab.cache.layers.packed_decode`)
+    keeps it only while the view's other tensors are the same (codes, parameters, window buffer, rope table and
+    positions) and calls it with the view's moving parts; where a step moves anything else (a history appears where
+    there was none, another query layout, a mask the kernel cannot take) it returns None and the caller builds a new
+    view."""
 
     __slots__ = ("view", "args", "qkey", "has", "rows")
 

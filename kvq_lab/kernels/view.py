@@ -107,7 +107,7 @@ class DecodeView(NamedTuple):
 class Unsupported(ValueError):
     """A decode attention cannot take this view, query or mask as they are (an extension it does not read, a mask per
     query head, a dtype): raised before any work, so the caller can rebuild the view or take another path
-    (`kvq_lab.cache.attention` does)."""
+    (`kvq_lab.cache.routing.attention` does)."""
 
 
 def check_codes_only(view: DecodeView, kernel: str) -> None:

@@ -6,7 +6,7 @@
 
 `pretrained` takes what `model.path` takes (registry names such as `smollm2-135m`, hub ids, folders, GGUF files);
 every cache knob of run.py is a model arg (key_axis, value_axis, bits, key_bits, value_bits, group_size,
-residual_length, sink_tokens, rope, mode, backend), with run.py's defaults, validated by run.py's preflight
+exact_window, sink_tokens, rope, mode, backend), with run.py's defaults, validated by run.py's preflight
 (`kvq_lab.preflight`, in the same order), so a bad value gets the same one-line error before the model loads; on
 the command line (`kvq-lm-eval`, and `lm_eval` with the plugin hook) before lm-eval even reads its tasks
 (`check_cli`). So is `recompute.rank`, spelled as run.py spells it (mode=recompute: cache X's projection on r
@@ -29,6 +29,7 @@ import logging
 from kvq_lab import preflight
 from kvq_lab.cache.knobs import CACHE_KNOBS
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.spellings import RENAMED
 from kvq_lab.fit.calibration_settings import data_dir_from_env
 from kvq_lab.lmeval.wrapper import QuantCacheLM
 
@@ -76,7 +77,7 @@ def check_model_args(
     args, then run.py's preflight less the run's own settings (`kvq_lab.preflight.LMEVAL`, one-line ConfigError).
     Also run on lm-eval's command line before lm-eval reads its tasks (`check_cli`)."""
     knobs = {k: v for k, v in knobs.items() if k not in ("max_batch_size", "max_length")}
-    unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK})
+    unknown = sorted(set(knobs) - {*CACHE_KNOBS, RECOMPUTE_RANK, *RENAMED})  # renamed: the preflight names the new
     if unknown:
         allowed = ", ".join((*MODEL_ARGS, *CACHE_KNOBS, RECOMPUTE_RANK))
         raise ConfigError(f"model arg {unknown[0]!r} is not a kvq setting; model args: {allowed}")

@@ -26,6 +26,7 @@ from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.knobs import cache_config as cache_from_knobs
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.common.section import Section
+from kvq_lab.common.spellings import refused
 from kvq_lab.contract import RunConfig
 from kvq_lab.fit import calibration_settings, precision_settings
 from kvq_lab.models.files import ModelFacts
@@ -35,7 +36,7 @@ from kvq_lab.models.noise import parse_noise
 from . import model as against_model
 from . import settings
 
-__all__ = ["LMEVAL", "RUN", "Pending", "cache_config", "preflight"]
+__all__ = ["LMEVAL", "RUN", "Pending", "cache_config", "check_overrides", "preflight"]
 
 SECTIONS = ("model", "task", "logger", "probes", "calibration", "precision")
 
@@ -74,6 +75,30 @@ def cache_config(c: Mapping) -> CacheConfig:
 
 
 # --- the checks, each one step -----------------------------------------------------------------------------------
+
+
+def renamed(p: Pending) -> None:
+    """A knob spelled as it was before a rename (`kvq_lab.common.spellings`): refused, naming today's spelling."""
+    why = refused(p.c, "" if p.source_arg == "model.path" else "model arg ")
+    if why:
+        raise ConfigError(why)
+
+
+def check_overrides(argv: list[str]) -> None:
+    """run.py's command line, before Hydra composes it (Hydra's own refusal of an unknown key spans several lines and
+    names no replacement): `renamed` on the overrides (`key=value`, `+key=value`, a sweep's `key=a,b`)."""
+    c: dict = {}
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if not eq or arg.startswith("-"):
+            continue
+        *path, last = key.split(".")
+        node = c
+        for part in path:  # `task=ppl task.x=1`: the group's name is not checked here, its options are
+            node[part] = node[part] if isinstance(node.get(part), dict) else {}
+            node = node[part]
+        node.setdefault(last, value)
+    renamed(Pending(c))
 
 
 def known_keys(p: Pending) -> None:
@@ -249,11 +274,11 @@ def backend(p: Pending) -> None:
 # --- the order, once -----------------------------------------------------------------------------------------------
 
 RUN: tuple[Check, ...] = (
-    known_keys, cache, device, dtype, precision, calibration, run_values, logger, probes, task,
+    renamed, known_keys, cache, device, dtype, precision, calibration, run_values, logger, probes, task,
     source, facts, layers, features, recompute, run_config, task_inputs, positions, prompt, model_files, backend,
 )  # fmt: skip
 # lm-eval's `kvq` model: no run settings, no task (lm-eval's own), no fit settings (calibration's defaults)
-LMEVAL: tuple[Check, ...] = (cache, device, dtype, source, facts, layers, recompute, model_files, backend)
+LMEVAL: tuple[Check, ...] = (renamed, cache, device, dtype, source, facts, layers, recompute, model_files, backend)
 
 
 def preflight(p: Pending, checks: tuple[Check, ...]) -> Pending:

@@ -88,7 +88,7 @@ def check_recompute(cache: CacheConfig, model: str, probes: bool) -> None:
     path = Path(resolve(model)).expanduser()
     if not (path / "config.json").is_file():
         return
-    from kvq_lab.cache.recompute import check_model_config
+    from kvq_lab.cache.layers.recompute import check_model_config
 
     try:
         check_model_config(str(path), cache.recompute_rank, cache.key)
@@ -143,11 +143,11 @@ def check_against_model(
 
 
 def resolve_backend(cache: CacheConfig, facts) -> CacheConfig:
-    """The cache with the backend that will run in place of `auto` (`kvq_lab.cache.backends.resolve`): records
+    """The cache with the backend that will run in place of `auto` (`kvq_lab.cache.routing.backends.resolve`): records
     name it, and `backend=auto` is the same run as an explicit choice of what it picks."""
     if not cache.caps.kernels:
         return replace(cache, backend="torch") if cache.backend != "torch" else cache
-    from kvq_lab.cache.backends import resolve
+    from kvq_lab.cache.routing.backends import resolve
 
     width = None
     if not cache.caps.stores_kv and facts is not None and facts.hidden:  # X's width: the rank or the hidden size

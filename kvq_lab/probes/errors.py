@@ -3,7 +3,7 @@
 For one layer's captured (exact) query q [H, T, D], key k and value v [H_kv, T, D] (KIVI Table 2's setting: the
 quantizer in isolation, exact inputs at every layer):
 
-    k', v'  = simulated mode's view of the whole prompt's K and V (`kvq_lab.cache.simulated_stream.simulate`:
+    k', v'  = simulated mode's view of the whole prompt's K and V (`kvq_lab.cache.layers.simulated_stream.simulate`:
               fake quant, partial per-channel groups zero-padded as KIVI's fake quant; sink tokens exact; the cache
               config's transforms applied before quantization and undone after, e.g. rope=pre: K un-rotated,
               quantized, re-rotated at its positions; hadamard: rotated, quantized, rotated back)
@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from kvq_lab.cache.config import CacheConfig
-from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.cache.simulated_stream import simulate
+from kvq_lab.cache.layers.simulated_stream import simulate
+from kvq_lab.cache.routing.rope import RopeHelper
 
 from .capture import LayerCapture
 from .metrics import all_errors, sparsity, topk_mass
@@ -43,11 +43,11 @@ def quantize_kv(
     key: torch.Tensor, value: torch.Tensor, cache: CacheConfig, rope: RopeHelper | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantize one layer's whole-prompt K and V ([H_kv, T, D], post-RoPE keys, fp32 out) as the cache config
-    says, with simulated mode's arithmetic (`kvq_lab.cache.simulated_stream.simulate`, the one implementation).
+    says, with simulated mode's arithmetic (`kvq_lab.cache.layers.simulated_stream.simulate`, the one implementation).
 
     Sink tokens stay exact and groups start at the first non-sink token; the config's transforms wrap each
     quantizer. Position-dependent transforms (rope=pre) need `rope` (the model's rotary module): the tokens sit at
-    positions 0..T-1. `mode`/`residual_length` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
+    positions 0..T-1. `mode`/`exact_window` are not modelled: every non-sink token is quantized (KIVI Table 1/2's
     fake quant). Per-head bits (`head_bits`): each width's heads quantized at their width.
     """
     if cache.head_bits:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvq_lab.cache.config import CacheConfig
-from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.routing.rope import RopeHelper
 
 from .capture import capture_qkv
 from .errors import layer_errors

@@ -17,8 +17,8 @@ Arithmetic (`fake_quant`): the group's codes and parameters come from the format
 (`valid = ~mask`: they do not enter min/max and get code 0), and the outliers are put back exactly:
 x' = where(mask, x, dequantize(quantize(x, valid=~mask))).
 
-Storage: the packed cache (`kvq_lab.cache.store.PackedStore`) keeps each outlier's value in the model's dtype and an
-int32 index into the tensor; `entry_bytes` is the fp16-model price, 6 bytes, at which the byte accounting
+Storage: the packed cache (`kvq_lab.cache.storage.store.PackedStore`) keeps each outlier's value in the model's dtype
+and an int32 index into the tensor; `entry_bytes` is the fp16-model price, 6 bytes, at which the byte accounting
 (`kvq_lab.cache.accounting`) counts `fraction` of the elements.
 """
 

@@ -8,6 +8,7 @@ run configs to the paper's row for the same quantizer setting, or {} when the pa
 from __future__ import annotations
 
 from kvq_lab.cache.modes import MODES
+from kvq_lab.common.spellings import current
 
 SOURCE = "KIVI (Liu et al., ICML 2024), Table 1 / Table 5"
 BENCHMARKS = ("CoQA", "TruthfulQA", "GSM8K")
@@ -78,7 +79,7 @@ def row_name(config: dict) -> str:
         name = f"{bits} (K-{_axis(config, 'key_axis')}, V-{_axis(config, 'value_axis')})"
     extras = []
     if _caps(config, "stores_kv") and _caps(config, "residual_window"):  # KIVI's real cache: K/V, an exact window
-        extras.append(f"real cache R={config.get('residual_length', 0)}")
+        extras.append(f"real cache R={current(config).get('exact_window', 0)}")
     if config.get("group_size", 32) != 32:
         extras.append(f"G={config.get('group_size')}")
     if config.get("rope") == "pre":
@@ -93,7 +94,7 @@ def paper_values(config: dict, model: str = DEFAULT_MODEL) -> dict[str, float]:
     """{benchmark: value} for the paper row matching `config` (a resolved run config), or {} when there is none."""
     kb, vb = _bits(config)
     ka, va = config.get("key_axis"), config.get("value_axis")
-    g, r = config.get("group_size", 32), config.get("residual_length", 0)
+    g, r = config.get("group_size", 32), current(config).get("exact_window", 0)
     plain = config.get("rope", "post") == "post" and not config.get("sink_tokens") and not _nonint(config)
     if not plain:
         return {}

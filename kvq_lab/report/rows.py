@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvq_lab.cache.modes import MODES
 from kvq_lab.common.metric import Metric
+from kvq_lab.common.spellings import current
 from kvq_lab.plugins import TASKS
 from kvq_lab.probes.metrics import ERRORS
 from kvq_lab.report.anchors import DEFAULT_MODEL, paper_values, row_name
@@ -75,27 +76,28 @@ class Row:
 
 def cache_fields(rec: dict) -> dict:
     """The cache a record measured, as flat fields (key_bits, value_bits, key_axis, value_axis, group_size, mode,
-    residual_length, sink_tokens, rope, key_format, value_format, key_transform, value_transform): from the
+    exact_window, sink_tokens, rope, key_format, value_format, key_transform, value_transform): from the
     structured `cache_config` the runner records, or, for records made before it existed, from the run config's
     knobs. Rows, their names and the paper column are built from these fields, never from the label string."""
     cc = rec.get("cache_config")
     if cc:
+        cc = current(cc)  # a record written before a knob's rename, in today's spellings
         k, v = cc["key"], cc["value"]
         return {
             "key_bits": k["bits"], "value_bits": v["bits"], "key_axis": k["axis"], "value_axis": v["axis"],
-            "group_size": k["group_size"], "mode": cc["mode"], "residual_length": cc["residual_length"],
+            "group_size": k["group_size"], "mode": cc["mode"], "exact_window": cc["exact_window"],
             "sink_tokens": cc["sink_tokens"], "rope": cc.get("rope", "post"),
             "key_format": k.get("format", "int"), "value_format": v.get("format", "int"),
             "key_transform": list(cc.get("key_transform") or []),
             "value_transform": list(cc.get("value_transform") or []),
         }  # fmt: skip
-    c = rec.get("config", {})
+    c = current(rec.get("config", {}))
     kb = c.get("bits") if c.get("bits") is not None else c.get("key_bits", 16)
     vb = c.get("bits") if c.get("bits") is not None else c.get("value_bits", 16)
     return {
         "key_bits": kb, "value_bits": vb, "key_axis": c.get("key_axis", "token"),
         "value_axis": c.get("value_axis", "token"), "group_size": c.get("group_size", 32),
-        "mode": c.get("mode", "simulated"), "residual_length": c.get("residual_length", 0),
+        "mode": c.get("mode", "simulated"), "exact_window": c.get("exact_window", 0),
         "sink_tokens": c.get("sink_tokens", 0), "rope": c.get("rope", "post"), "key_format": "int",
         "value_format": "int", "key_transform": ["rope_pre"] if c.get("rope") == "pre" else [], "value_transform": [],
     }  # fmt: skip
@@ -173,7 +175,7 @@ def _sort_key(row: Row):
 
     return (
         not getattr(MODES.get(c.get("mode")), "fake_quant", False),  # fake-quant rows first
-        c.get("residual_length", 0),
+        c.get("exact_window", 0),
         c.get("group_size", 32),
         -bits("key_bits"),
         -bits("value_bits"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from kvq_lab import preflight
 from kvq_lab.cache.config import CacheConfig
 from kvq_lab.cache.knobs import CACHE_KNOBS, CacheKnobs, knob
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.common.spellings import as_hashed, task_as_hashed
 from kvq_lab.contract import RunConfig
 from kvq_lab.models.noise import NOISE_HELP, parse_noise
 from kvq_lab.preflight import SECTIONS
@@ -43,7 +44,8 @@ __all__ = [
 @dataclass
 class RunSchema(CacheKnobs):
     """Every top-level knob: the cache's (`CacheKnobs`) and the run's, with defaults and meaning (conf/config.yaml
-    sets the same defaults; tests/run/test_schema.py checks both it and the README's knob table against this)."""
+    sets the same defaults where it names a knob; tests/run/test_schema.py checks both it and the README's knob table
+    against this)."""
 
     limit: Any = knob(None, "evaluate only the first N documents of the task")
     seed: Any = knob(0, "seed of every random generator")
@@ -185,14 +187,17 @@ class RunPlan:
         return True
 
 
-# CacheConfig fields added after records existed: left out of the hash at their defaults, so older hashes stay
-CACHE_DEFAULTS = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
-CACHE_DEFAULTS["recompute_rank"] = None  # mode=recompute (kvq_lab.cache.recompute)
-CACHE_DEFAULTS.update(key_residual=(), value_residual=())  # residual corrections (kvq_lab.quant.residuals)
-CACHE_DEFAULTS["skip_layers"] = ()  # layers left at 16 bits
-CACHE_DEFAULTS.update(policy="kivi", policy_options=())  # cache policies (kvq_lab.cache.policies)
-CACHE_DEFAULTS["prefill"] = None  # what the prompt's forward reads (unset: the mode's and the task's own)
-CACHE_DEFAULTS["head_bits"] = ()  # per-head bits (a layer's, set by precision search: hashed via `precision`)
+# The cache fields every config hash holds (those records were first written with). Any other field is hashed only
+# where it differs from its default (`CACHE_DEFAULTS`, derived): a field added later, a new knob included, leaves the
+# hashes of configs that do not set it as they were. Renamed fields go under their old names (`as_hashed`).
+HASHED_ALWAYS = tuple("key value mode exact_window sink_tokens rope backend key_transform value_transform".split())
+CACHE_DEFAULTS = as_hashed(
+    {
+        f.name: f.default_factory() if f.default is MISSING else f.default
+        for f in fields(CacheConfig)
+        if f.name not in HASHED_ALWAYS
+    }
+)
 WHERE = ("results_dir", "run_name", "logger", "resume", "resume_dirty", "experiment_name", "data_dir")
 
 
@@ -212,8 +217,10 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
         c["noise"] = noise
     if precision is not None:
         c["precision"] = precision
-    fitted_out = asdict(cache.unfitted()).items()
+    fitted_out = as_hashed(asdict(cache.unfitted())).items()  # renamed knobs hashed under their old names
     c["cache"] = {k: v for k, v in fitted_out if k not in CACHE_DEFAULTS or v != CACHE_DEFAULTS[k]}
+    if isinstance(c.get("task"), dict):
+        c["task"] = task_as_hashed(c["task"])
     if not needs_calibration(cache):
         c.pop("calibration", None)  # calibration settings only matter to fitted methods
     if not c.get("probe"):

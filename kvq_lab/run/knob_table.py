@@ -1,5 +1,6 @@
 """The README's knob table, generated from the schema (`RunSchema`: each knob's default and meaning), so the two cannot
-drift apart; tests/run/test_schema.py checks the README holds exactly this table and conf/config.yaml the same defaults.
+drift apart; tests/run/test_schema.py checks the README holds exactly this table and conf/config.yaml the same defaults
+where it names a knob.
 
     python -m kvq_lab.run.knob_table            # print the table
     python -m kvq_lab.run.knob_table --write    # replace the table in README.md (between its two marker comments)

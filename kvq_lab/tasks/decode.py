@@ -4,10 +4,10 @@ A log-likelihood pass over a whole text never reads a generation cache (all posi
 forward), so cache quantization would not reach the score. Here each window of `context_tokens +
 eval_tokens` consecutive tokens is scored as a generation would see it:
 
-1. prefill: the context goes through the model once. `prefill: exact` (default) runs it with exact attention
-   (a plain `DynamicCache`) and then hands every layer's exact K/V to a fresh quantized cache, as KIVI's real
-   cache does; `prefill: cache` runs the prefill forward through the quantized cache itself (in `simulated`
-   mode attention then sees fake-quantized K/V already in the prefill, as KIVI's Table 1).
+1. prefill: the context goes through the model once. `prompt_forward: exact` (default) runs it with exact
+   attention (a plain `DynamicCache`) and then hands every layer's exact K/V to a fresh quantized cache, as KIVI's
+   real cache does; `prompt_forward: cache` runs the prefill forward through the quantized cache itself, which reads
+   what the cache's own `prefill` knob says (in `simulated` mode fake-quantized K/V, as KIVI's Table 1).
 2. decode: the evaluation tokens are fed one at a time (teacher forcing); each step attends to the cache as the
    quantizer left it, and the NLL of the next true token is accumulated. Only these tokens are scored (the
    first is predicted by the prefill's last logits).
@@ -33,7 +33,7 @@ from kvq_lab.models.loading import cache_kwarg
 from kvq_lab.tasks.chunks import bos_to_add
 from kvq_lab.tasks.text import check_source, source_text
 
-PREFILL = ("exact", "cache")
+PROMPT_FORWARD = ("exact", "cache")  # who runs the prompt's forward: the model alone | the cache
 
 
 def make_windows(ids: list[int], context: int, eval_tokens: int, windows: int, bos: int | None = None) -> torch.Tensor:
@@ -159,8 +159,9 @@ def check_options(task_cfg) -> None:
         v = task_cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"task.{key}={v!r} must be an integer >= 1")
-    if task_cfg.get("prefill") not in PREFILL:
-        raise ValueError(f"task.prefill={task_cfg.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
+    if task_cfg.get("prompt_forward") not in PROMPT_FORWARD:
+        got = task_cfg.get("prompt_forward")
+        raise ValueError(f"task.prompt_forward={got!r}; choose one of: {', '.join(PROMPT_FORWARD)}")
     check_source(task_cfg)
 
 
@@ -172,7 +173,9 @@ def run_ppl(ctx) -> dict[str, float]:
     windows = batch.shape[0]
     cache = ctx.make_cache() or DynamicCache()
     ctx.progress.unit, ctx.progress.total = "decode steps", eval_tokens
-    nll = decode_nll(ctx.model, cache, batch, context, exact_prefill=str(t.prefill) == "exact", progress=ctx.progress)
+    nll = decode_nll(
+        ctx.model, cache, batch, context, exact_prefill=str(t.prompt_forward) == "exact", progress=ctx.progress
+    )
     per_window = nll.mean(dim=1)
     ctx.artifacts["ppl_per_window"] = [round(math.exp(float(x)), 4) for x in per_window]
     mean = float(nll.mean())

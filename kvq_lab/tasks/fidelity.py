@@ -144,7 +144,7 @@ def run_fidelity(ctx) -> dict[str, float]:
     context, eval_tokens = int(t.context_tokens), int(t.eval_tokens)
     batch = text_windows(ctx)
     windows = batch.shape[0]
-    exact = str(t.prefill) == "exact"
+    exact = str(t.prompt_forward) == "exact"
     ctx.progress.unit, ctx.progress.total = "reference decode steps", eval_tokens
     ref = reference_logprobs(ctx.model, batch, context, exact, progress=ctx.progress)
     ctx.progress.unit, ctx.progress.done = "decode steps", 0

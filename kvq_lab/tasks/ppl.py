@@ -28,8 +28,8 @@ class PplTask(Task):
     """Teacher-forced decode through the cache over windows of a text; `ppl/ppl` of the scored tokens."""
 
     name = "ppl"
-    options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prefill", "protocol", "n_ctx",
-               "chunks")  # fmt: skip
+    options = ("name", *SOURCE_OPTIONS, "context_tokens", "eval_tokens", "windows", "prompt_forward", "protocol",
+               "n_ctx", "chunks")  # fmt: skip
     data = (COQA_DATA,)  # the default source's file; check() reads the files of the run's task.source
     hub = (COQA_HUB,)
     limit_unit = "windows"
@@ -78,10 +78,14 @@ class PplTask(Task):
         return int(t["n_ctx"]) if t.get("protocol") == "chunks" else int(t["context_tokens"]) + int(t["eval_tokens"])
 
     def prompt_prefill(self, task_cfg, cache) -> str:
-        """task.prefill=exact hands the cache the exact K/V of the context, unless the cache quantizes the prompt
-        (`prefill=quantized`, `policy=fakequant`): then, as with task.prefill=cache and protocol=chunks, the context's
-        forward goes through the cache (`kvq_lab.tasks.decode.prefill`)."""
-        if task_cfg.get("protocol") != "chunks" and task_cfg.get("prefill") == "exact" and not cache.quantizes_prefill:
+        """task.prompt_forward=exact hands the cache the exact K/V of the context, unless the cache quantizes the
+        prompt (`prefill=quantized`, `policy=fakequant`): then, as with task.prompt_forward=cache and protocol=chunks,
+        the context's forward goes through the cache (`kvq_lab.tasks.decode.prefill`)."""
+        if (
+            task_cfg.get("protocol") != "chunks"
+            and task_cfg.get("prompt_forward") == "exact"
+            and not cache.quantizes_prefill
+        ):
             return "exact"
         return super().prompt_prefill(task_cfg, cache)
 

@@ -221,7 +221,7 @@ def greedy(model, cache, logits, max_new_tokens: int, eos: set[int]) -> list[int
 
 
 def run_retrieval(ctx) -> dict[str, float]:
-    """Task entry point: for each sample, prefill (`task.prefill=exact`: exact attention, K/V handed to a fresh
+    """Task entry point: for each sample, prefill (`task.prompt_forward=exact`: exact attention, K/V handed to a fresh
     cache as KIVI's real cache does, memoized across the runs of a sweep; `cache`: the prefill through the cache
     itself), then greedy decoding through the cache. Metrics `retrieval/acc` (%), `retrieval/n`,
     `retrieval/prompt_tokens` (mean); per-sample responses go to samples.json."""
@@ -242,7 +242,7 @@ def run_retrieval(ctx) -> dict[str, float]:
     for i, s in enumerate(items):
         ids = torch.tensor([ctx.tokenizer(s.prompt, add_special_tokens=False)["input_ids"]], device=ctx.model.device)
         cache = ctx.make_cache() or DynamicCache()
-        logits = prefill(ctx.model, cache, ids, exact=str(t.prefill) == "exact")
+        logits = prefill(ctx.model, cache, ids, exact=str(t.prompt_forward) == "exact")
         new = greedy(ctx.model, cache, logits, max_new, eos)
         response = ctx.tokenizer.decode(new, skip_special_tokens=True)
         ok = score(response, s.answer)
@@ -271,7 +271,7 @@ def _as_list(x) -> list:
 
 
 MIN_PROMPT = 128  # tokens left for the prompt after max_new_tokens: the instruction and question alone take ~100
-PREFILL = ("exact", "cache")
+PROMPT_FORWARD = ("exact", "cache")  # the prompt's forward: the model alone (K/V handed over) | through the cache
 
 
 def _int(t, key: str, lo: int) -> int:
@@ -288,7 +288,17 @@ class RetrievalTask(Task):
     chat = True
     plain_prompt = "task.prompt=plain"
     headline = (Metric("retrieval/acc", "retrieval EM", "higher", "%"),)
-    options = ("name", "kind", "context_tokens", "depth", "samples", "seed", "max_new_tokens", "prefill", "prompt")
+    options = (
+        "name",
+        "kind",
+        "context_tokens",
+        "depth",
+        "samples",
+        "seed",
+        "max_new_tokens",
+        "prompt_forward",
+        "prompt",
+    )
     limit_unit = "samples"
 
     def uses_chat(self, task_cfg) -> bool:
@@ -308,8 +318,10 @@ class RetrievalTask(Task):
             isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1
         ):
             raise ConfigError(f"task.depth={depth!r} must be a number in [0, 1] or null (spread over the samples)")
-        if t.get("prefill") not in PREFILL:
-            raise ConfigError(f"task.prefill={t.get('prefill')!r}; choose one of: {', '.join(PREFILL)}")
+        if t.get("prompt_forward") not in PROMPT_FORWARD:
+            raise ConfigError(
+                f"task.prompt_forward={t.get('prompt_forward')!r}; choose one of: {', '.join(PROMPT_FORWARD)}"
+            )
         if t.get("prompt", DEFAULT_PROMPT) not in PROMPTS:
             raise ConfigError(f"task.prompt={t.get('prompt')!r}; choose one of: {', '.join(PROMPTS)}")
         limit = cfg.limit
@@ -325,8 +337,8 @@ class RetrievalTask(Task):
         return task_cfg.get("context_tokens"), "task.context_tokens"
 
     def prompt_prefill(self, task_cfg, cache) -> str:
-        """As task=ppl's: task.prefill=exact hands the cache exact K/V unless the cache quantizes the prompt."""
-        if task_cfg.get("prefill") == "exact" and not cache.quantizes_prefill:
+        """As task=ppl's: task.prompt_forward=exact hands the cache exact K/V unless the cache quantizes the prompt."""
+        if task_cfg.get("prompt_forward") == "exact" and not cache.quantizes_prefill:
             return "exact"
         return super().prompt_prefill(task_cfg, cache)
 

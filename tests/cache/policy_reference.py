@@ -35,12 +35,12 @@ CONFIGS: dict[str, dict] = {
     "table1_KC_VC": {"bits": 2, "value_axis": "channel", "mode": "simulated"},
     "table1_KT_VT_S4": {"bits": 2, "key_axis": "token", "sink_tokens": 4, "mode": "simulated"},
     "table1_4bit_rope_pre": {"bits": 4, "rope": "pre", "mode": "simulated"},
-    "kivi_R32": {"bits": 2, "mode": "packed", "residual_length": 32, "backend": "torch"},
+    "kivi_R32": {"bits": 2, "mode": "packed", "exact_window": 32, "backend": "torch"},
     "kivi_R0_S4": {"bits": 2, "mode": "packed", "sink_tokens": 4, "backend": "torch"},
     "kivi_R32_hadamard": {
         "bits": 2,
         "mode": "packed",
-        "residual_length": 32,
+        "exact_window": 32,
         "transform": "hadamard",
         "backend": "torch",
     },
@@ -49,7 +49,7 @@ CONFIGS: dict[str, dict] = {
         "key_axis": "token",
         "value_axis": "channel",
         "mode": "packed",
-        "residual_length": 32,
+        "exact_window": 32,
         "backend": "torch",
     },
 }

@@ -1,4 +1,4 @@
-"""Per-head bits (`CacheConfig.head_bits`, `kvq_lab.cache.heads.HeadsLayer`): each head stored as a layer of its
+"""Per-head bits (`CacheConfig.head_bits`, `kvq_lab.cache.layers.heads.HeadsLayer`): each head stored as a layer of its
 width stores it, in both modes (sinks, window, prefill and decode steps); heads all at the cache's bits are the mode's
 layer bit for bit; bytes are the accounting's arithmetic; a left-padded batch holds what each prompt holds alone;
 bad values fail in one line."""
@@ -13,7 +13,7 @@ from helpers_models import gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
 from kvq_lab.cache.accounting import Shape
-from kvq_lab.cache.heads import HeadsLayer
+from kvq_lab.cache.layers.heads import HeadsLayer
 from kvq_lab.common.errors import QuantConfigError
 from kvq_lab.quant.spec import QuantSpec
 
@@ -23,7 +23,7 @@ H, D = 3, 64
 
 def config(mode, R, S, head_bits=(), **kw) -> CacheConfig:
     return CacheConfig(
-        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode=mode, residual_length=R,
+        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode=mode, exact_window=R,
         sink_tokens=S, backend="torch", head_bits=head_bits, **kw,
     )  # fmt: skip
 
@@ -165,7 +165,7 @@ def test_stacked_rows_decode_as_alone():
     ],
 )
 def test_bad_head_bits_fail_in_one_line(kw, match):
-    base = {"mode": "packed", "residual_length": 32, **kw}
+    base = {"mode": "packed", "exact_window": 32, **kw}
     with pytest.raises(QuantConfigError, match=match) as e:
         CacheConfig(**base)
     assert "\n" not in str(e.value)

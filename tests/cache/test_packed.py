@@ -9,11 +9,11 @@ from helpers_models import gen
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.attention import ATTN_NAME
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import spare_rows
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.attention import ATTN_NAME
+from kvq_lab.cache.storage.streams import spare_rows
 from kvq_lab.kernels.torch_path import decode_attention_torch, quantize_whole_groups
 from kvq_lab.quant.reference import dequantize, quantize
 from kvq_lab.quant.spec import QuantSpec
@@ -34,7 +34,7 @@ def test_16bit_equals_dynamic_cache(tiny):
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(1))
     ref = gen(tiny, DynamicCache(config=tiny.config), ids)
     for rope in ("post", "pre"):
-        cfg = packed((16,), (16,), rope=rope, residual_length=0)
+        cfg = packed((16,), (16,), rope=rope, exact_window=0)
         assert torch.equal(gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids), ref)
     # logits too, bit for bit
     cache = QuantizedKVCache.for_model(tiny, packed((16,), (16,)))
@@ -57,7 +57,7 @@ SLOW = pytest.mark.slow
 def test_fused_decode_matches_materialized(tiny, kax, vax):
     """The kvq_sdpa decode path and plain SDPA over dequantized K/V generate the same tokens."""
     ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(2))
-    cfg = packed((2, 32, kax), (3, 32, vax), residual_length=32, sink_tokens=2)
+    cfg = packed((2, 32, kax), (3, 32, vax), exact_window=32, sink_tokens=2)
     fused = QuantizedKVCache.for_model(tiny, cfg)
     assert tiny.config._attn_implementation == ATTN_NAME and fused.layers[0].fused
     plain = QuantizedKVCache(cfg, 2, tiny.model.rotary_emb)  # not routed: update returns dequantized tensors
@@ -65,7 +65,7 @@ def test_fused_decode_matches_materialized(tiny, kax, vax):
 
 
 def test_routing_leaves_other_caches_alone(tiny):
-    QuantizedKVCache.for_model(tiny, packed(residual_length=32))
+    QuantizedKVCache.for_model(tiny, packed(exact_window=32))
     assert tiny.config._attn_implementation == ATTN_NAME
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -109,7 +109,7 @@ def expected(x, spec, S, q):
 def test_streaming_step_by_step(S, R):
     """KIVI's schedule: per-channel keys flush R (or G) at once, per-token values slide; history never changes."""
     G = 32
-    cfg = packed((2, G, "channel"), (2, G, "token"), residual_length=R, sink_tokens=S)
+    cfg = packed((2, G, "channel"), (2, G, "token"), exact_window=R, sink_tokens=S)
     k, v = kv(1, 2, 200, 64, 0)
     L = 100
     layer = layer_for(cfg)
@@ -136,7 +136,7 @@ def test_streaming_step_by_step(S, R):
 @pytest.mark.parametrize("bits", [1, 3, 4, 8])
 def test_any_axis_any_bits(kax, vax, bits):
     G, R, S = 16, 32, 1
-    cfg = packed((bits, G, kax), (bits, G, vax), residual_length=R, sink_tokens=S)
+    cfg = packed((bits, G, kax), (bits, G, vax), exact_window=R, sink_tokens=S)
     k, v = kv(2, 2, 90, 64, bits)
     layer = layer_for(cfg)
     layer.update(k[:, :, :70], v[:, :, :70])
@@ -160,7 +160,7 @@ def test_packed_agrees_with_simulated(S):
     G = 32
     spec_k, spec_v = QuantSpec(2, G, "channel"), QuantSpec(2, G, "token")
     sim = SimulatedLayer(CacheConfig(key=spec_k, value=spec_v, mode="simulated", sink_tokens=S), None, PaddingState())
-    pk = layer_for(packed((2, G, "channel"), (2, G, "token"), residual_length=0, sink_tokens=S))
+    pk = layer_for(packed((2, G, "channel"), (2, G, "token"), exact_window=0, sink_tokens=S))
     k, v = kv(1, 2, 160, 64, 5)
     L = 64 + S
     ks, vs = sim.update(k[:, :, :L], v[:, :, :L])
@@ -179,7 +179,7 @@ def test_packed_agrees_with_simulated(S):
 @pytest.mark.parametrize("S", [0, 3])
 def test_decode_attention_matches_sdpa(kax, vax, S):
     """Fused decode attention over codes == SDPA on the dequantized cache, within fp32 rounding (GQA 3:1)."""
-    cfg = packed((2, 32, kax), (2, 32, vax), residual_length=64, sink_tokens=S)
+    cfg = packed((2, 32, kax), (2, 32, vax), exact_window=64, sink_tokens=S)
     k, v = kv(2, 2, 160, 64, 7)
     layer = layer_for(cfg)
     layer.update(k[:, :, :130], v[:, :, :130])
@@ -212,7 +212,7 @@ def test_whole_group_quantizer_is_the_reference():
 
 def test_pre_rope_stores_unrotated_keys(tiny):
     """rope=pre: the history holds quantized pre-RoPE keys; dequantized keys are rotated back at their positions."""
-    cfg = packed((8, 32, "channel"), (8, 32, "token"), residual_length=32, rope="pre")
+    cfg = packed((8, 32, "channel"), (8, 32, "token"), exact_window=32, rope="pre")
     cache = QuantizedKVCache.for_model(tiny, cfg)
     ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(4))
     captured = {}
@@ -256,7 +256,7 @@ def test_pre_and_post_rope_generate_alike_at_16_bits(tiny):
 def test_padded_batch_rows_store_what_single_rows_store(kax, vax):
     """Layer level: each row of a left-padded batch holds exactly what it holds alone (any axes, sinks)."""
     G, R, S = 16, 32, 2
-    cfg = packed((2, G, kax), (2, G, vax), residual_length=R, sink_tokens=S)
+    cfg = packed((2, G, kax), (2, G, vax), exact_window=R, sink_tokens=S)
     lengths = [70, 41, 5]  # 5 < S + R: a short row whose sinks and window fill during decode
     T0, steps = max(lengths), 50
     k, v = kv(3, 2, T0 + steps, 64, 9)
@@ -283,7 +283,7 @@ def test_padded_batch_rows_store_what_single_rows_store(kax, vax):
 
 @pytest.mark.parametrize("kax,vax", [("channel", "token"), pytest.param("token", "channel", marks=SLOW)])
 def test_padded_batch_generates_what_each_prompt_generates_alone(tiny, kax, vax):
-    cfg = packed((2, 32, kax), (2, 32, vax), residual_length=32, sink_tokens=2)
+    cfg = packed((2, 32, kax), (2, 32, vax), exact_window=32, sink_tokens=2)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 256, (n,), generator=g) for n in (75, 50, 33)]
     T0 = 75
@@ -307,7 +307,7 @@ def test_padded_batch_generates_what_each_prompt_generates_alone(tiny, kax, vax)
 
 def test_nbytes_is_the_storage_arithmetic():
     G, R, D, H = 32, 128, 64, 2
-    cfg = packed((2, G, "channel"), (2, G, "token"), residual_length=R)
+    cfg = packed((2, G, "channel"), (2, G, "token"), exact_window=R)
     k, v = kv(1, H, 700, D, 10)
     layer = layer_for(cfg)
     layer.update(k[:, :, :640], v[:, :, :640])  # keys: 640 quantized (5 windows), values: 512 quantized

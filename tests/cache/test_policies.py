@@ -21,9 +21,9 @@ from transformers import DynamicCache
 from kvq_lab.cache import QuantizedKVCache
 from kvq_lab.cache.accounting import Shape
 from kvq_lab.cache.knobs import cache_config
+from kvq_lab.cache.layers.tiered import TieredLayer
 from kvq_lab.cache.policies import POLICIES, TokenPolicy, get_policy
 from kvq_lab.cache.policies.scores import received, score
-from kvq_lab.cache.tiered import TieredLayer
 from kvq_lab.common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,7 +128,7 @@ def _fill(cache, k, v, steps: int, query=None):
     columns row b holds ([1, H, n_b, D] K and V copies; a left-padded batch's padding and a token policy's unheld
     columns left out). `query` [B, Hq, T, D]: handed to a layer that ranks by queries after the prompt, as the routed
     attention hands it."""
-    from kvq_lab.cache.attention import MaskedKV
+    from kvq_lab.cache.routing.attention import MaskedKV
 
     B, T = k.shape[0], k.shape[2] - steps
     valid = cache.padding.valid(B, k.shape[2])
@@ -155,7 +155,7 @@ def test_a_left_padded_batch_holds_what_each_prompt_holds_alone(name, mode):
     """At the cache level: row b of a left-padded batch reads what its prompt alone reads, at every step (a token
     policy ranks each row by its own queries and keeps its own tokens)."""
     knobs = {"bits": 2, "backend": "torch", "mode": mode, "sink_tokens": 4, "policy": name}
-    cfg = cache_config({**knobs, "residual_length": 32} if mode == "packed" else knobs)
+    cfg = cache_config({**knobs, "exact_window": 32} if mode == "packed" else knobs)
     lengths, steps = (150, 101), 4
     T = max(lengths)
     g = torch.Generator().manual_seed(2)

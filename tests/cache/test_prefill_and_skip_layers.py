@@ -43,7 +43,7 @@ def test_unset_prefill_is_the_modes_own(tiny):
 
 def test_simulated_exact_prefill_then_decodes_as_an_exact_handoff(tiny):
     """A prompt forwarded through a simulated cache with prefill=exact leaves what handing it the exact K/V leaves
-    (task.prefill=exact): the next steps read the same fake-quantized cache, bit for bit."""
+    (task.prompt_forward=exact): the next steps read the same fake-quantized cache, bit for bit."""
     forwarded = _cache(tiny, mode="simulated", prefill="exact")
     _logits(tiny, forwarded, IDS[:, :60])
     handed = _cache(tiny, mode="simulated")

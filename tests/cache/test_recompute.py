@@ -1,4 +1,4 @@
-"""mode=recompute (kvq_lab/cache/recompute.py): X (or its rank-r projection) cached, K and V rebuilt each step.
+"""mode=recompute (kvq_lab/cache/layers/recompute.py): X (or its rank-r projection) cached, K and V rebuilt each step.
 
 Oracles: at 16 bits the cache generates DynamicCache's greedy tokens (X itself and the full-rank projection), paired
 with settings that must change them (2 bits; a rank below [W_k; W_v]'s); nbytes() against the packed layout's own
@@ -12,7 +12,7 @@ from helpers_models import compose, tiny_args
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.recompute import RecomputeError, RecomputeLayer
+from kvq_lab.cache.layers.recompute import RecomputeError, RecomputeLayer
 from kvq_lab.quant.spec import QuantConfigError, QuantSpec
 
 PROMPT = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -21,7 +21,7 @@ PROMPT = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(
 def recompute_cfg(bits: int, rank: int | None = None, R: int = 0, axis: str = "channel", S: int = 0, backend="torch"):
     spec = QuantSpec(bits, 32, axis)
     return CacheConfig(
-        key=spec, value=spec, mode="recompute", recompute_rank=rank, residual_length=R, sink_tokens=S, backend=backend
+        key=spec, value=spec, mode="recompute", recompute_rank=rank, exact_window=R, sink_tokens=S, backend=backend
     )
 
 
@@ -245,7 +245,7 @@ def test_per_layer_configs_refused():
 def test_triton_takes_power_of_two_widths_only(tiny_model, monkeypatch):
     """backend=triton with a width of X its kernels cannot tile fails when the cache is built; backend=auto (here
     made to pick Triton) stores such an X on the PyTorch path and generates what backend=torch generates."""
-    import kvq_lab.cache.recompute as rc
+    import kvq_lab.cache.layers.recompute as rc
 
     real = rc.get_backend
 
@@ -273,7 +273,7 @@ def test_rank_is_an_lm_eval_model_arg(tiny_model_dir, monkeypatch):
     import kvq_lab.lmeval.cli as kl
     from kvq_lab.run.config import ConfigError
 
-    args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,residual_length=0,backend=torch"
+    args = f"pretrained={tiny_model_dir},mode=recompute,bits=16,exact_window=0,backend=torch"
     full = get_model("kvq").create_from_arg_string(args + ",recompute.rank=128")
     low = get_model("kvq").create_from_arg_string(args + ",recompute.rank=16")
     assert (full.cache_config.mode, full.cache_config.recompute_rank, low.cache_config.recompute_rank) == (

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, NonFiniteError, QuantizedKVCache
-from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.quant import QuantSpec, fake_quant
 
 FP = QuantSpec(16, 32, "token")

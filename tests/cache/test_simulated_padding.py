@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
 from kvq_lab.quant import QuantSpec
 
 AXES = list(itertools.product(["channel", "token"], repeat=2))

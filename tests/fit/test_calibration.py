@@ -14,10 +14,10 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.fit import calibration as C
 from kvq_lab.fit.calibration_settings import DEFAULTS, token_ids
 from kvq_lab.fit.capture import capture
@@ -164,7 +164,7 @@ def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch)
     assert math.isfinite(m["ppl/ppl"])
     assert m["cache/bits_total_key"] > m["cache/bits_key"] + 0.48  # outliers (48 bits x 1%) and the codebooks
     assert len(list((tmp_path / "cal").glob("*.pt"))) == 1
-    packed = ["mode=packed", "residual_length=32", "value_outliers=0.01"]  # sparse outliers in the packed store
+    packed = ["mode=packed", "exact_window=32", "value_outliers=0.01"]  # sparse outliers in the packed store
     m2 = run(compose(args + ["key_transform=innerq", "key_axis=token", *packed]))
     assert math.isfinite(m2["ppl/ppl"]) and len(list((tmp_path / "cal").glob("*.pt"))) == 2
     runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
@@ -182,7 +182,7 @@ def test_methods_experiment_rows_validate(data_dir):
     for row in rows:
         for task in ("ppl", "coqa_turns"):
             plan = validate(compose(["experiment=methods", f"quant={row}", f"task={task}", f"data_dir={data_dir}"]))
-            assert plan.cache.mode == "packed" and plan.cache.residual_length == 128
+            assert plan.cache.mode == "packed" and plan.cache.exact_window == 128
         labels.add(plan.cache.label())
     assert len(labels) == len(rows) >= 11  # the rows the issue asks for, and the ones added since (innerq:alpha)
 

@@ -94,7 +94,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     for the cache's layers; per head: each width's heads a layer of their own); the budget is used (the cheapest
     assignment is under it, so the search had to choose)."""
     T = 128
-    base = CacheConfig(mode=mode, residual_length=R, sink_tokens=S, rope=rope)
+    base = CacheConfig(mode=mode, exact_window=R, sink_tokens=S, rope=rope)
     costs = precision.measure_costs(model3, base, [2, 4, 8], T, unit)
     L, H = 3, 2
     low = costs.bits([2] * costs.units, [2] * costs.units)
@@ -108,7 +108,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
     if unit == "head":
         assert [len(x) for x in kb + vb] == [H] * (2 * L)
         assert any(c.head_bits for c in out.layers)  # some layer's heads differ: stored as heads of their widths
-    packed = precision_config.per_layer(CacheConfig(mode="packed", residual_length=R, sink_tokens=S, rope=rope), kb, vb)
+    packed = precision_config.per_layer(CacheConfig(mode="packed", exact_window=R, sink_tokens=S, rope=rope), kb, vb)
     cache = QuantizedKVCache.for_model(model3, packed)
     with torch.no_grad():
         model3(torch.randint(3, 1000, (1, T)), past_key_values=cache)
@@ -206,7 +206,7 @@ def test_bad_settings_fail_before_load(tiny_model_dir, tmp_path, data_dir, no_lo
         # head case: 374 s of sensitivities before this was said)
         (["precision.granularity=head", "precision.budget=3.5"], r"every head at 2 bits stores 4\.062 bits"),
         (["precision.budget=4"], r"every layer at 2 bits stores 4\.062 bits"),  # per-channel keys' flush buffer
-        (["mode=packed", "residual_length=128", "precision.budget=8"], r"every layer at 2 bits stores 11\.12 bits"),
+        (["mode=packed", "exact_window=128", "precision.budget=8"], r"every layer at 2 bits stores 11\.12 bits"),
     ],
 )
 def test_an_unreachable_budget_fails_before_load(tiny_model_dir, tmp_path, data_dir, no_load, overrides, match):
@@ -223,7 +223,7 @@ def test_an_unreachable_budget_fails_before_load(tiny_model_dir, tmp_path, data_
 def test_the_bound_before_load_counts_the_searchs_bytes(model3, rope, unit):
     """`shape_costs` from the model's shape (its files) == `measure_costs` on the loaded model, byte for byte (rope=pre:
     a stand-in rotary module; the bytes do not depend on its frequencies)."""
-    base = CacheConfig(mode="packed", residual_length=32, sink_tokens=4, rope=rope)
+    base = CacheConfig(mode="packed", exact_window=32, sink_tokens=4, rope=rope)
     loaded = precision.measure_costs(model3, base, [2, 4, 8], 128, unit)
     shape = (3, model3.config.num_key_value_heads, model3.config.head_dim)
     assert precision.shape_costs(shape, "float32", base, [2, 4, 8], 128, unit) == loaded

@@ -9,10 +9,10 @@ from conftest import left_padded_prompts, spy_cpu_kernel, spy_kept_calls
 from helpers_models import compose, gen
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache import backends as backends_mod
-from kvq_lab.cache.backends import get_backend
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.routing import backends as backends_mod
+from kvq_lab.cache.routing.backends import get_backend
 from kvq_lab.kernels import cpu_build, cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, get_format
@@ -30,7 +30,7 @@ CASES = [
 
 def _layer(kax, vax, kb, vb, S, R, G, backend="cpu"):
     cfg = CacheConfig(
-        key=QuantSpec(kb, G, kax), value=QuantSpec(vb, G, vax), mode="packed", residual_length=R, sink_tokens=S,
+        key=QuantSpec(kb, G, kax), value=QuantSpec(vb, G, vax), mode="packed", exact_window=R, sink_tokens=S,
         backend=backend,
     )  # fmt: skip
     return PackedLayer(cfg, None, PaddingState())
@@ -109,7 +109,7 @@ def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, va
     """The vector paths for formats with a table (fp8 values computed from the code bits, small tables looked up by
     lane permutes, 16 or 8 channels at a time) give exactly the portable build's scalar lookups, negative zero and
     subnormal codes included."""
-    cfg = CacheConfig(key=key, value=value, mode="packed", residual_length=32, sink_tokens=1, backend="cpu")
+    cfg = CacheConfig(key=key, value=value, mode="packed", exact_window=32, sink_tokens=1, backend="cpu")
     layer = PackedLayer(cfg, None, PaddingState())
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(1, 2, 150, D, generator=g), torch.randn(1, 2, 150, D, generator=g)
@@ -162,7 +162,7 @@ def test_generation_matches_the_pytorch_path(tiny, monkeypatch):  # noqa: F811
     out = {}
     for backend in ("cpu", "torch"):
         cfg = CacheConfig(
-            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", exact_window=32,
             sink_tokens=2, backend=backend,
         )  # fmt: skip
         out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 40)
@@ -178,7 +178,7 @@ def test_hadamard_generation_maps_in_the_kernel(tiny, monkeypatch):  # noqa: F81
     out = {}
     for backend in ("cpu", "torch"):
         cfg = CacheConfig(
-            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+            key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", exact_window=32,
             sink_tokens=1, backend=backend, key_transform=("hadamard",), value_transform=("hadamard",),
         )  # fmt: skip
         out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 24)
@@ -192,7 +192,7 @@ def test_pre_rope_keys_match_the_pytorch_path(tiny):  # noqa: F811
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(5))
     out = {}
     for backend in ("cpu", "torch"):
-        cfg = CacheConfig(mode="packed", residual_length=32, rope="pre", backend=backend)
+        cfg = CacheConfig(mode="packed", exact_window=32, rope="pre", backend=backend)
         out[backend] = gen(tiny, QuantizedKVCache.for_model(tiny, cfg), ids, 20)
     assert torch.equal(out["cpu"], out["torch"])
 
@@ -251,7 +251,7 @@ def test_failed_build_names_the_fix(monkeypatch, tmp_path):
 def test_backend_cpu_without_compiler_fails_before_model_load(no_compiler):
     from kvq_lab.run.config import ConfigError, validate
 
-    cfg = compose(["mode=packed", "residual_length=32", "backend=cpu", "model.path=/nonexistent/model"])
+    cfg = compose(["mode=packed", "exact_window=32", "backend=cpu", "model.path=/nonexistent/model"])
     with pytest.raises(ConfigError, match="backend=cpu: cannot run the C compiler"):
         validate(cfg)  # the model path is bad too: the backend check comes first, before anything is loaded
 
@@ -285,7 +285,7 @@ def test_the_kernel_maps_the_hadamard_query_and_output(k_t, v_t, maps):
     if k_t == ("rotatekv",):
         k_t = (RotateKV.example().spelling,)  # a fitted channel order
     cfg = CacheConfig(
-        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", residual_length=32,
+        key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed", exact_window=32,
         sink_tokens=1, backend="cpu", key_transform=k_t, value_transform=v_t,
     )  # fmt: skip
     layer = PackedLayer(cfg, None, PaddingState())
@@ -318,7 +318,7 @@ def _kept_variants() -> dict[str, dict]:
         "rope_pre": {"rope": "pre", "sink_tokens": 2},
         # per-token keys, no window: the history reaches the rope position buffer's new columns one step after it
         # grew, before any store grows
-        "rope_pre_tokens": {"rope": "pre", "sink_tokens": 2, "residual_length": 0, "key_axis": "token"},
+        "rope_pre_tokens": {"rope": "pre", "sink_tokens": 2, "exact_window": 0, "key_axis": "token"},
         "hadamard": {"key_transform": ("hadamard",), "value_transform": ("hadamard",), "sink_tokens": 2},
         # a foldable key pipeline kvq_sdpa maps (the query folded, the sinks mapped every step), values in the kernel
         "folded": {"key_transform": (RotateKV.example().spelling,), "value_transform": ("hadamard",), "sink_tokens": 2},
@@ -359,7 +359,7 @@ def test_kept_calls_give_what_built_views_give(tiny, fmt, variant, monkeypatch):
     calls are what ran: the view is built again only when a store grew (or the call handed a step back)."""
     if "cpu" in FORMATS[fmt].unsupported_backends:  # its refusal is checked by tests/quant/test_format_matrix.py
         pytest.skip(f"format={fmt} refuses the C kernel (unsupported_backends)")
-    kw = {"residual_length": 32, **_kept_variants()[variant]}
+    kw = {"exact_window": 32, **_kept_variants()[variant]}
     bits = default_bits(fmt)
     cfg = CacheConfig(
         key=QuantSpec(bits, 32, kw.pop("key_axis", "channel"), fmt), value=QuantSpec(bits, 32, "token", fmt),
@@ -388,7 +388,7 @@ def test_kept_calls_in_a_left_padded_batch(tiny, fmt, rope, monkeypatch):  # noq
     bits = default_bits(fmt)
     cfg = CacheConfig(
         key=QuantSpec(bits, 32, "channel", fmt), value=QuantSpec(bits, 32, "token", fmt), mode="packed",
-        backend="cpu", residual_length=32, sink_tokens=2, rope=rope,
+        backend="cpu", exact_window=32, sink_tokens=2, rope=rope,
     )  # fmt: skip
     kept = []
     spy_kept_calls(monkeypatch, lambda call: kept.append(call.rows is not None))
@@ -406,11 +406,11 @@ def test_hadamard_steps_write_key_and_value_into_the_window(tiny, R, key_axis, m
     straight into the rows of the window buffers they go to (`Stream.slot`): every step's logits are, bit for bit,
     those of transforming into new tensors that the window then copies; and the rows were written in place (where
     both streams keep a window: not with R = 0 and per-token values, which keep none)."""
-    from kvq_lab.cache import streams
+    from kvq_lab.cache.storage import streams
 
     cfg = CacheConfig(
         key=QuantSpec(2, 32, key_axis), value=QuantSpec(2, 32, "token"), mode="packed", backend="cpu",
-        residual_length=R, sink_tokens=2, key_transform=("hadamard",), value_transform=("hadamard",),
+        exact_window=R, sink_tokens=2, key_transform=("hadamard",), value_transform=("hadamard",),
     )  # fmt: skip
     pushes = {"in place": 0, "copied": 0}
     push = streams._Window.push
@@ -435,7 +435,7 @@ def test_a_kept_call_hands_back_what_it_cannot_take(tiny):  # noqa: F811
     the kept view had none; and runs for the same query."""
     layer = PackedLayer(
         CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                    residual_length=32, backend="cpu"), None, PaddingState())  # fmt: skip
+                    exact_window=32, backend="cpu"), None, PaddingState())  # fmt: skip
     g = torch.Generator().manual_seed(2)
     layer.update(torch.randn(1, 2, 20, 64, generator=g), torch.randn(1, 2, 20, 64, generator=g))
     view, q = layer.decode_view(), torch.randn(1, 4, 1, 64, generator=g)

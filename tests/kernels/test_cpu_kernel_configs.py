@@ -12,9 +12,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.spec import QuantSpec
@@ -32,7 +32,7 @@ def rotary(D: int, theta: float = 10000.0) -> RopeHelper:
 
 
 def layer_of(key, value, R, S, D, backend="cpu", rope="pre"):
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend=backend, rope=rope)  # fmt: skip
     return PackedLayer(cfg, rotary(D), PaddingState())
 
@@ -139,7 +139,7 @@ def test_rope_pre_with_position_ids_of_the_callers_own():
 def test_rope_table_is_the_models_rope():
     """The kernel's table is the rotary module's own cos/sin (one half of its duplicated layout), grown on demand;
     a RoPE whose frequencies depend on the length gets no table (the PyTorch path re-rotates instead)."""
-    from kvq_lab.cache.packed_decode import rope_table
+    from kvq_lab.cache.layers.packed_decode import rope_table
 
     rope = rotary(64, theta=500000.0)
     cos, sin = rope_table(rope.rotary_emb, 10, torch.empty(0))
@@ -163,7 +163,7 @@ def test_position_ids_are_kept_as_given():
     """The position-id buffer (what rope=pre rotates with, in the kernel and the PyTorch path alike) holds
     each update's ids at its cache positions: a prefill, then decode steps one column each, across the
     buffer's growth (POS_CHUNK), with ids of the caller's own (per row, not consecutive)."""
-    from kvq_lab.cache.rope import POS_CHUNK
+    from kvq_lab.cache.routing.rope import POS_CHUNK
 
     layer = layer_of((2, 32, "channel"), (2, 32, "token"), 32, 0, 64)
     B, L = 2, POS_CHUNK - 3
@@ -185,10 +185,10 @@ def test_a_caches_layers_share_one_position_buffer(tiny_model):
     """rope=pre: the layers of a cache keep their position ids in one buffer (written once per step, by the first
     layer), which `nbytes` counts once; another cache has its own. Greedy tokens are those of the PyTorch path (where
     every layer reads the buffer to re-rotate its history) and of a cache whose layers each wrote their own."""
-    from kvq_lab.cache.rope import PositionLog
+    from kvq_lab.cache.routing.rope import PositionLog
 
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=32, backend="cpu", rope="pre")  # fmt: skip
+                      exact_window=32, backend="cpu", rope="pre")  # fmt: skip
     prompt = torch.randint(3, tiny_model.config.vocab_size, (1, 70), generator=torch.Generator().manual_seed(2))
     out, caches = {}, {}
     for name, backend in (("cpu", "cpu"), ("torch", "torch"), ("own", "cpu")):
@@ -235,7 +235,7 @@ def test_rope_pre_generation_goes_through_the_kernel(model_name, request, monkey
     out = {}
     for backend in ("cpu", "torch"):
         cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                          residual_length=32, sink_tokens=2, rope="pre", backend=backend)  # fmt: skip
+                          exact_window=32, sink_tokens=2, rope="pre", backend=backend)  # fmt: skip
         out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 30)
     assert torch.equal(out["cpu"], out["torch"])
     layers = model.config.num_hidden_layers
@@ -290,7 +290,7 @@ def test_half_model_generation_goes_through_the_kernel(tiny_model, dtype, monkey
         out = {}
         for backend in ("cpu", "torch"):
             cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                              residual_length=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
+                              exact_window=32, sink_tokens=2, rope=rope, backend=backend)  # fmt: skip
             out[backend] = gen(model, QuantizedKVCache.for_model(model, cfg), ids, 20)
         assert torch.equal(out["cpu"], out["torch"]), rope
     assert len(calls) == 2 * 19 * model.config.num_hidden_layers
@@ -314,7 +314,7 @@ def test_padded_batch_in_the_kernel_matches_attention_over_the_padded_cache(case
     twice its error of fp64. Reading the same view as if unpadded must differ (the oracle can fail)."""
     key, value, R, S, rope, pads, L, T = case
     B, D, r = len(pads), 64, 3
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="cpu", rope=rope)  # fmt: skip
     padding = PaddingState()
     real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]  # [B, L] 0...0 1...1

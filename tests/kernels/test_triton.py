@@ -40,9 +40,9 @@ def _interpreter_only(request):
 
 
 from kvq_lab.cache import CacheConfig  # noqa: E402
-from kvq_lab.cache.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
-from kvq_lab.cache.base import PaddingState  # noqa: E402
-from kvq_lab.cache.packed import PackedLayer  # noqa: E402
+from kvq_lab.cache.layers.base import PaddingState  # noqa: E402
+from kvq_lab.cache.layers.packed import PackedLayer  # noqa: E402
+from kvq_lab.cache.routing.attention import PackedKV, kvq_sdpa_attention  # noqa: E402
 from kvq_lab.kernels import cpu_kernel  # noqa: E402
 from kvq_lab.kernels import triton as tk  # noqa: E402
 from kvq_lab.kernels.torch_path import decode_attention_torch  # noqa: E402
@@ -108,7 +108,7 @@ def test_quantize_pack_with_padding_mask():
 
 def _layers(kax, vax, backend, S=2, R=32):
     cfg = CacheConfig(
-        key=QuantSpec(2, 32, kax), value=QuantSpec(3, 32, vax), mode="packed", residual_length=R, sink_tokens=S,
+        key=QuantSpec(2, 32, kax), value=QuantSpec(3, 32, vax), mode="packed", exact_window=R, sink_tokens=S,
         backend=backend,
     )  # fmt: skip
     return PackedLayer(cfg, None, PaddingState())
@@ -147,12 +147,12 @@ def test_pre_rope_decode_goes_through_the_kernel(monkeypatch):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     rope = RopeHelper(LlamaRotaryEmbedding(LlamaConfig(hidden_size=128, num_attention_heads=2, head_dim=64)).to(DEV))
     layers = {}
     for backend in ("triton", "torch"):
-        cfg = CacheConfig(mode="packed", residual_length=32, rope="pre", backend=backend)
+        cfg = CacheConfig(mode="packed", exact_window=32, rope="pre", backend=backend)
         layers[backend] = PackedLayer(cfg, rope, PaddingState())
     k, v = inputs(1, 2, 80, 64, 3), inputs(1, 2, 80, 64, 4)
     for layer in layers.values():
@@ -201,7 +201,7 @@ def test_every_format_in_the_cache(name):
     for backend in ("triton", "torch"):
         cfg = CacheConfig(
             key=QuantSpec(bits, 32, "channel", name), value=QuantSpec(bits, 32, "token", name), mode="packed",
-            residual_length=32, sink_tokens=2, backend=backend,
+            exact_window=32, sink_tokens=2, backend=backend,
         )  # fmt: skip
         layers[backend] = PackedLayer(cfg, None, PaddingState())
     k, v = inputs(1, 2, 75, 64, 5), inputs(1, 2, 75, 64, 6)
@@ -230,7 +230,7 @@ def rotary(D: int):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D, max_position_embeddings=2048)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
@@ -278,7 +278,7 @@ def test_rope_pre_in_the_kernel_matches_the_pytorch_path(case):
     twice the PyTorch path's error of fp64 attention. The view read without its rotation, or with the inverse
     rotation (the table's sin negated), differs: the kernel reads the table."""
     key, value, R, S, D, r, B, L, T, dtype, chunk = case
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="torch", rope="pre")  # fmt: skip
     layer, g = streamed(cfg, D, B, L, T, dtype, T + D)
     view = layer.view_for(ROPE)
@@ -324,7 +324,7 @@ def test_padded_rows_in_the_kernel_match_attention_over_the_padded_cache(case):
     unpadded differs (the kernel reads the pads)."""
     key, value, R, S, rope, pads, L, T, dtype, chunk = case
     B, D, r = len(pads), 64, 3
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="torch", rope=rope)  # fmt: skip
     padding = PaddingState()
     real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]  # [B, L] 0...0 1...1
@@ -365,7 +365,7 @@ def test_what_the_kernel_refuses():
     rope=pre or pads is refused (it would be read wrongly there). rope=pre ids outside the table are refused on CPU
     tensors and poison the output (NaN) in the kernel itself, never a silent wrong answer."""
     cfg = CacheConfig(key=QuantSpec(2, 32, "channel"), value=QuantSpec(2, 32, "token"), mode="packed",
-                      residual_length=32, backend="torch", rope="pre")  # fmt: skip
+                      exact_window=32, backend="torch", rope="pre")  # fmt: skip
     layer, g = streamed(cfg, 64, 1, 70, 72, torch.float32, 5)
     q = torch.randn(1, 4, 1, 64, generator=g).to(DEV)
     per_head = torch.randn(1, 4, 1, layer.N, generator=g).to(DEV)
@@ -462,7 +462,7 @@ def test_tensor_core_route_matches_attention_in_half_precision(case):
     answer within that rounding."""
     key, value, R, S, D, r, L, T, splits, mask_kind = case
     dtype = torch.float16
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="torch")  # fmt: skip
     layer, g = streamed(cfg, D, 1, L, T, dtype, T + D + r)
     view = layer.decode_view()
@@ -496,7 +496,7 @@ def test_tensor_core_route_reads_left_padded_rows(case):
     padding mask: within twice the half-precision error, and the general route's answer within rounding."""
     key, value, R, S, pads, L, T = case
     B, D, r, dtype = len(pads), 64, 4, torch.float16
-    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=R, sink_tokens=S,
+    cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=R, sink_tokens=S,
                       backend="torch")  # fmt: skip
     padding = PaddingState()
     real = torch.arange(L)[None] >= torch.tensor(pads)[:, None]
@@ -525,7 +525,7 @@ def test_which_route_runs():
     bf16 arithmetic is wrong). Asking for the tensor-core route where it cannot run is an error naming why."""
 
     def view_q(dtype=torch.float16, key=(2, 32, "channel"), value=(2, 32, "token"), rope="post"):
-        cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", residual_length=32,
+        cfg = CacheConfig(key=QuantSpec(*key), value=QuantSpec(*value), mode="packed", exact_window=32,
                           backend="torch", rope=rope)  # fmt: skip
         layer, g = streamed(cfg, 64, 1, 70, 72, dtype, 1)
         return layer.view_for(frozenset({"rope"})), torch.randn(1, 4, 1, 64, generator=g).to(dtype).to(DEV)

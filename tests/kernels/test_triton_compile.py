@@ -24,9 +24,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvq_lab.cache import CacheConfig
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.kernels import triton as tk
 from kvq_lab.kernels.triton import attention, dequantize, quantize
 from kvq_lab.quant.formats import default_bits
@@ -54,7 +54,7 @@ def view_of(dtype, rope, pads, key, value, D):
     cfg = LlamaConfig(hidden_size=4 * D, num_attention_heads=4, head_dim=D)
     helper = RopeHelper(LlamaRotaryEmbedding(cfg))
     spec = lambda f, ax: QuantSpec(2 if f == "int" else default_bits(f), 32, ax, f)
-    cfg = CacheConfig(key=spec(key, "channel"), value=spec(value, "token"), mode="packed", residual_length=32,
+    cfg = CacheConfig(key=spec(key, "channel"), value=spec(value, "token"), mode="packed", exact_window=32,
                       sink_tokens=2, backend="torch", rope=rope)
     padding, ids, B = PaddingState(), None, len(pads)
     real = torch.arange(70)[None] >= torch.tensor(pads)[:, None]

@@ -119,7 +119,7 @@ def test_lm_wrapper_with_a_wrong_boundary_generates_differently(tiny_model_dir, 
     per-channel groups), the same prompts must generate something else."""
     from transformers import AutoTokenizer
 
-    from kvq_lab.cache.simulated import SimulatedLayer
+    from kvq_lab.cache.layers.simulated import SimulatedLayer
     from kvq_lab.lmeval.wrapper import QuantCacheLM
     from kvq_lab.models.loading import load_model
 
@@ -151,7 +151,7 @@ def test_stacked_rows_decode_as_they_would_alone(tiny_model, ka, va, sinks, tran
     """`QuantizedKVCache.stack`: a batch of caches of different lengths decodes, row by row, bit for bit what each
     cache decodes alone (its own groups, sinks and positions), for 18 more tokens: every row fills and opens groups
     of 16 and 8. Untransformed tensors take the one-call step of all rows (`FakeQuantStream.step_rows`, counted)."""
-    from kvq_lab.cache.simulated_stream import FakeQuantStream
+    from kvq_lab.cache.layers.simulated_stream import FakeQuantStream
 
     calls = []
     step_rows = FakeQuantStream.step_rows

@@ -22,7 +22,7 @@ DATA_DIR = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
 # 2-bit K per-channel / V per-token, one short ppl window; Gemma in packed mode (the C kernel), SmolLM2 simulated
 CONFIGS = {
     "smollm2-135m": [],
-    "gemma3-270m": ["mode=packed", "residual_length=32"],
+    "gemma3-270m": ["mode=packed", "exact_window=32"],
 }
 
 

@@ -191,8 +191,8 @@ def _per_type_rope(model) -> bool:
 
 
 def _xfail_rope_pre(request, model, rope: str) -> None:
-    """rope=pre below 16 bits on a model with per-layer-type RoPE fails: `kvq_lab.cache.rope.RopeHelper` calls the
-    rotary module without a layer type (a TypeError in the run). Strict: the test says when it starts to work."""
+    """rope=pre below 16 bits on a model with per-layer-type RoPE fails: `kvq_lab.cache.routing.rope.RopeHelper` calls
+    the rotary module without a layer type (a TypeError in the run). Strict: the test says when it starts to work."""
     if rope == "pre" and _per_type_rope(model):
         request.applymarker(
             pytest.mark.xfail(raises=TypeError, strict=True, reason="rope=pre: RopeHelper has no per-layer-type RoPE")
@@ -301,7 +301,7 @@ def test_padded_rows_cache_what_each_prompt_caches_alone(request, name, mode, ro
     model = tiny_of(name)
     _xfail_rope_pre(request, model, rope)
     H, D = model.config.num_key_value_heads, model.config.head_dim
-    cfg = _cfg(2, mode, "torch", rope, sink_tokens=2, residual_length=32 if mode == "packed" else 0)
+    cfg = _cfg(2, mode, "torch", rope, sink_tokens=2, exact_window=32 if mode == "packed" else 0)
     rotary, steps, T0 = model.model.rotary_emb, 12, max(LENGTHS)
     g = torch.Generator().manual_seed(3)
     k, v = (torch.randn(len(LENGTHS), H, T0 + steps, D, generator=g) for _ in "kv")
@@ -336,7 +336,7 @@ def test_padded_batch_generates_what_each_prompt_generates_alone(name, mode):
     """Model level, past the sliding window: a left-padded batch through the cache (the CPU kernel in packed mode)
     generates for each row the tokens its prompt generates alone."""
     model = tiny_of(name)
-    cfg = _cfg(2, mode, "cpu", sink_tokens=2, residual_length=32 if mode == "packed" else 0)
+    cfg = _cfg(2, mode, "cpu", sink_tokens=2, exact_window=32 if mode == "packed" else 0)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in LENGTHS]
     T0 = max(LENGTHS)

@@ -202,7 +202,7 @@ def test_gqa_query_head_reads_its_kv_head():
 
 def test_quantize_kv_sinks_partial_groups_and_pre_rope():
     model = tiny_llama()
-    from kvq_lab.cache.rope import RopeHelper
+    from kvq_lab.cache.routing.rope import RopeHelper
 
     rope = RopeHelper(model.model.rotary_emb)
     g = torch.Generator().manual_seed(4)

@@ -24,12 +24,12 @@ from helpers_models import gen
 
 import kvq_lab.quant.formats as formats
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache import backends as backends_mod
-from kvq_lab.cache.backends import get_backend
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.streams import spare_rows
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing import backends as backends_mod
+from kvq_lab.cache.routing.backends import get_backend
+from kvq_lab.cache.storage.streams import spare_rows
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import FORMATS, default_bits, register_format, tensor_nbytes
@@ -219,7 +219,7 @@ PACKED = [PackedCase("channel", "token", 3, 32, 64, 3), PackedCase("token", "cha
 def test_packed_mode(name, bits, case, backend):
     c = case
     cfg = CacheConfig(
-        key=spec(name, bits, c.kax), value=spec(name, bits, c.vax), mode="packed", residual_length=c.R,
+        key=spec(name, bits, c.kax), value=spec(name, bits, c.vax), mode="packed", exact_window=c.R,
         sink_tokens=c.S, backend=backend,
     )  # fmt: skip
     if refused(name, cfg):
@@ -269,7 +269,7 @@ def test_c_kernel_dequantizes_exactly(name, bits):
     """The C kernel's dequantized history, bit for bit: with the history only (no sinks, no window) and one kv
     position weighted at a time (a one-hot mask), attention returns that position's value row exactly."""
     cfg = CacheConfig(
-        key=spec(name, bits, "token"), value=spec(name, bits, "channel"), mode="packed", residual_length=0,
+        key=spec(name, bits, "token"), value=spec(name, bits, "channel"), mode="packed", exact_window=0,
         backend="cpu",
     )  # fmt: skip
     if refused(name, cfg):
@@ -296,7 +296,7 @@ def test_fp8_bytes_are_the_arithmetic():
     for name, bpe in (("fp8_e4m3", 8.5), ("fp8_e5m2", 8.5), ("int", 3.0)):
         bits = default_bits(name)
         cfg = CacheConfig(
-            key=spec(name, bits, "channel"), value=spec(name, bits, "token"), mode="packed", residual_length=R,
+            key=spec(name, bits, "channel"), value=spec(name, bits, "token"), mode="packed", exact_window=R,
             backend="torch",
         )  # fmt: skip
         layer = PackedLayer(cfg, None, PaddingState())
@@ -310,7 +310,7 @@ def test_fp8_bytes_are_the_arithmetic():
 
 def test_the_table_is_counted_once_per_tensor():
     cfg = CacheConfig(
-        key=spec("lut", 4, "token"), value=spec("lut", 4, "token"), mode="packed", residual_length=0, backend="torch"
+        key=spec("lut", 4, "token"), value=spec("lut", 4, "token"), mode="packed", exact_window=0, backend="torch"
     )
     layer = PackedLayer(cfg, None, PaddingState())
     k = data(1, 2, 64, 64, 9)
@@ -329,7 +329,7 @@ def test_generation_with_every_format(tiny, name, bits, monkeypatch):  # noqa: F
     out = {}
     for backend in ("cpu", "torch"):
         cfg = CacheConfig(
-            key=spec(name, bits, "channel"), value=spec(name, bits, "token"), mode="packed", residual_length=32,
+            key=spec(name, bits, "channel"), value=spec(name, bits, "token"), mode="packed", exact_window=32,
             sink_tokens=2, backend=backend,
         )  # fmt: skip
         if refused(name, cfg):
@@ -378,11 +378,11 @@ def test_an_explicit_backend_that_cannot_read_the_format_fails_before_model_load
 
     from kvq_lab.run.config import ConfigError, validate
 
-    cfg = compose(["format=int_nocpu", "mode=packed", "residual_length=32", "backend=cpu", "model.path=/no/model"])
+    cfg = compose(["format=int_nocpu", "mode=packed", "exact_window=32", "backend=cpu", "model.path=/no/model"])
     with pytest.raises(ConfigError, match="backend=cpu cannot read format=int_nocpu") as e:
         validate(cfg)  # the model path is bad too: the backend and format checks come first
     assert "\n" not in str(e.value)
-    ok = compose(["format=int_nocpu", "mode=packed", "residual_length=32", "backend=torch", "model.path=/no/model"])
+    ok = compose(["format=int_nocpu", "mode=packed", "exact_window=32", "backend=torch", "model.path=/no/model"])
     with pytest.raises(ConfigError, match="model.path='/no/model' does not exist"):
         validate(ok)
 

@@ -19,9 +19,9 @@ from helpers_models import compose
 
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.accounting import tensor_bits
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import bits_per_element, get_format, tensor_nbytes
@@ -292,7 +292,7 @@ def test_the_widened_parameters_kernels_read_follow_every_write(name):
     new copy, and it moves the store's generation (a kept call is then rebuilt)."""
     cfg = CacheConfig(
         key=QuantSpec(4, 16, "channel", name), value=QuantSpec(4, 16, "token", name), mode="packed",
-        residual_length=0, backend="torch",
+        exact_window=0, backend="torch",
     )  # fmt: skip
     layer = PackedLayer(cfg, None, PaddingState())
     x = torch.randn(1, 2, 140, 64, generator=torch.Generator().manual_seed(6))
@@ -338,7 +338,7 @@ def test_a_fitted_nvfp4_in_packed_mode_is_the_reference(backend):
     per-tensor table and the fp16-widened e4m3 scales and attends as the PyTorch path does."""
     x = torch.randn(1, 2, 120, 64, generator=torch.Generator().manual_seed(8))
     ks, vs = fitted_specs(x)
-    cfg = CacheConfig(key=ks, value=vs, mode="packed", residual_length=32, sink_tokens=3, backend=backend)
+    cfg = CacheConfig(key=ks, value=vs, mode="packed", exact_window=32, sink_tokens=3, backend=backend)
     layer = PackedLayer(cfg, None, PaddingState())
     layer.update(x[:, :, :70], 3 * x[:, :, :70])
     for N in range(70, 120):
@@ -376,7 +376,7 @@ def test_another_block_size_runs_and_one_the_head_dim_refuses_fails_before_load(
         validate(compose(["format=nvfp4", "group_size=48", "key_axis=token"]))  # the embedded model's header
     assert "\n" not in str(e.value)
     bad = [
-        (["format=mxfp4", "mode=packed", "residual_length=32", "backend=cpu"], "^backend=cpu cannot read format=mxfp4"),
+        (["format=mxfp4", "mode=packed", "exact_window=32", "backend=cpu"], "^backend=cpu cannot read format=mxfp4"),
         (["format=nvfp4", "bits=2"], "^format=nvfp4 takes 4 bits; bits=2 conflicts"),
     ]
     for overrides, match in bad:

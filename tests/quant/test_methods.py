@@ -307,7 +307,7 @@ def test_bits_count_everything_stored():
     assert tensor_bits(vout, "value", 1024, 2, 64) == pytest.approx(3.0 + 48 / 64)  # one value per token of 64
     nuq = CacheConfig(QuantSpec(3, 32, "channel", "lut", tuple(i / 7 for i in range(8))), QuantSpec(2, 32, "token"))
     assert tensor_bits(nuq, "key", 1024, 2, 64) == pytest.approx(3 + 1 + 8 * 32 / (2 * 1024 * 64))
-    kivi = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", residual_length=128,
+    kivi = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", exact_window=128,
                        sink_tokens=4)  # fmt: skip
     assert tensor_bits(kivi, "key", 1024, 2, 64) == pytest.approx((132 * 16 + 892 * 3) / 1024)
     m = QuantizedKVCache.stored_bits(base, 1024)
@@ -323,9 +323,9 @@ def test_packed_outliers_agree_with_simulated(S):
     outliers in the model's dtype) reads back what simulated mode computes, bit for bit (the same mask, the same
     quantizer call), and its bytes count every outlier (value + int32 index: 8 bytes in fp32); without outliers the
     values differ."""
-    from kvq_lab.cache.base import PaddingState
-    from kvq_lab.cache.packed import PackedLayer
-    from kvq_lab.cache.simulated import SimulatedLayer
+    from kvq_lab.cache.layers.base import PaddingState
+    from kvq_lab.cache.layers.packed import PackedLayer
+    from kvq_lab.cache.layers.simulated import SimulatedLayer
 
     k, v = keys(21, spikes=0.01), keys(22, outlier_channels=(9,), gain=30.0)
     th = fit_thresholds(keys(23, spikes=0.01), 0.01)

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from kvq_lab.cache import CacheConfig
 from kvq_lab.cache.accounting import tensor_bits
-from kvq_lab.cache.base import PaddingState
 from kvq_lab.cache.knobs import cache_config
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.simulated import SimulatedLayer
-from kvq_lab.cache.simulated_stream import simulate
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.layers.simulated_stream import simulate
 from kvq_lab.common.errors import ConfigError
 from kvq_lab.kernels.torch_path import decode_attention_torch
 from kvq_lab.quant.formats import tensor_nbytes
@@ -218,8 +218,8 @@ def test_lowrank_hand_case():
         ({"key_residual": "lowrank"}, "key_residual=lowrank needs a rank r >= 1"),
         ({"value_residual": "lowrank:64:64"}, "value_residual=lowrank:64:64 needs a rank r >= 1"),
         (
-            {"mode": "packed", "residual_length": 32, "key_residual": "lowrank:2:64"},
-            "per-channel keys are flushed 32 at a time (residual_length=32, group_size=32): make residual_length a "
+            {"mode": "packed", "exact_window": 32, "key_residual": "lowrank:2:64"},
+            "per-channel keys are flushed 32 at a time (exact_window=32, group_size=32): make exact_window a "
             "multiple of 64",
         ),
         ({"key_residual": "qjl:64", "key_bits": 16}, "keys are not quantized (key_bits=16): unset key_residual"),

@@ -19,10 +19,10 @@ from helpers_models import compose, tiny_args
 from transformers import DynamicCache
 
 from kvq_lab.cache import CacheConfig, QuantizedKVCache
-from kvq_lab.cache.base import PaddingState
-from kvq_lab.cache.packed import PackedLayer
-from kvq_lab.cache.rope import RopeHelper
-from kvq_lab.cache.simulated import SimulatedLayer
+from kvq_lab.cache.layers.base import PaddingState
+from kvq_lab.cache.layers.packed import PackedLayer
+from kvq_lab.cache.layers.simulated import SimulatedLayer
+from kvq_lab.cache.routing.rope import RopeHelper
 from kvq_lab.kernels import cpu_kernel
 from kvq_lab.probes.capture import LayerCapture
 from kvq_lab.probes.errors import layer_errors
@@ -158,7 +158,7 @@ def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, 
     monkeypatch.setattr(PackedLayer, "decode_view", lambda self: calls.append(1) or view(self))
     spy_kept_calls(monkeypatch, lambda call: calls.append(1))
     kspec, vspec = QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token")
-    cfg = CacheConfig(kspec, vspec, mode="packed", residual_length=32, sink_tokens=2, backend=backend,
+    cfg = CacheConfig(kspec, vspec, mode="packed", exact_window=32, sink_tokens=2, backend=backend,
                       **transforms_of(spelling, "both"))  # fmt: skip
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
     fused = QuantizedKVCache.for_model(tiny_model, cfg)  # routes the model through kvq_sdpa
@@ -204,7 +204,7 @@ def test_packed_reads_back_what_the_model_made(spelling, tensor, kax, rope):
     position of a packed cache whose quantizer is wrapped in the transform (rope_pre once returned its window
     un-rotated: this is the test that would have caught it)."""
     spec = QuantSpec(8, 32, kax)
-    cfg = CacheConfig(spec, spec, mode="packed", residual_length=32, sink_tokens=2, backend="torch",
+    cfg = CacheConfig(spec, spec, mode="packed", exact_window=32, sink_tokens=2, backend="torch",
                       **transforms_of(spelling, tensor))  # fmt: skip
     layer = PackedLayer(cfg, rope, PaddingState())
     k, v = outliers((1, 2, 120, 64), 9), outliers((1, 2, 120, 64), 10)
@@ -325,7 +325,7 @@ def test_bad_transform_settings_fail_in_one_line_before_load(overrides, message,
 
 @pytest.mark.parametrize(
     "extra",
-    [["mode=packed", "residual_length=32", "backend=torch"], ["mode=simulated", "probe=true"]],
+    [["mode=packed", "exact_window=32", "backend=torch"], ["mode=simulated", "probe=true"]],
     ids=["packed", "simulated+probe"],
 )
 def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):
@@ -387,7 +387,7 @@ def test_rope_rotations_are_the_attention_formula_bit_for_bit(dtype):
 def test_step_position_ids_are_computed_once_per_forward(tiny_model):
     """The layers of one forward pass the same position_ids tensor: one int32 conversion and max for all of them,
     recomputed for another tensor, an in-place change, another start, or an inference tensor whose values changed."""
-    from kvq_lab.cache.rope import step_position_ids
+    from kvq_lab.cache.routing.rope import step_position_ids
 
     helper = RopeHelper(tiny_model.model.rotary_emb)
     pos = torch.tensor([[5], [9]])

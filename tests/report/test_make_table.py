@@ -55,13 +55,13 @@ def test_incomplete_row_is_shown(tmp_path):
 
 def test_paper_values_for_kivi_rows():
     cfg = {"key_bits": 2, "value_bits": 2, "key_axis": "channel", "value_axis": "token", "group_size": 32,
-           "mode": "packed", "residual_length": 128, "rope": "post"}  # fmt: skip
+           "mode": "packed", "exact_window": 128, "rope": "post"}  # fmt: skip
     assert paper_values(cfg) == {"CoQA": 66.23, "TruthfulQA": 29.84, "GSM8K": 20.77}
-    assert paper_values({**cfg, "residual_length": 32}) == {"GSM8K": 20.62}
+    assert paper_values({**cfg, "exact_window": 32}) == {"GSM8K": 20.62}
     assert paper_values({**cfg, "group_size": 128}) == {"GSM8K": 17.29}
     assert paper_values({**cfg, "rope": "pre"}) == {}
-    assert paper_values({**cfg, "mode": "simulated", "residual_length": 0}, "Llama-2-7B")["CoQA"] == 59.08
-    assert row_name({**cfg, "residual_length": 32}) == "2bit (K-C, V-T), real cache R=32"
+    assert paper_values({**cfg, "mode": "simulated", "exact_window": 0}, "Llama-2-7B")["CoQA"] == 59.08
+    assert row_name({**cfg, "exact_window": 32}) == "2bit (K-C, V-T), real cache R=32"
     assert row_name({**cfg, "mode": "simulated", "key_bits": 3, "rope": "pre"}) == "K3/V2bit (K-C, V-T), pre-RoPE keys"
 
 
@@ -93,7 +93,7 @@ def test_rows_come_from_the_structured_cache_config_not_the_label(tmp_path):
     def cc(kbits, kaxis, fmt="int", kt=()):
         return {"key": {"bits": kbits, "group_size": 32, "axis": kaxis, "format": fmt},
                 "value": {"bits": 2, "group_size": 32, "axis": "token", "format": "int"}, "mode": "simulated",
-                "residual_length": 0, "sink_tokens": 0, "rope": "post", "backend": "auto",
+                "exact_window": 0, "sink_tokens": 0, "rope": "post", "backend": "auto",
                 "key_transform": list(kt), "value_transform": []}  # fmt: skip
 
     res = tmp_path / "r"

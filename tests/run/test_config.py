@@ -25,10 +25,10 @@ BAD = [
     (["key_bits=7"], r"key_bits=7"),
     (["group_size=48"], r"group_size.*48.*does not divide head_dim=64.*\[1, 2, 4, 8, 16, 32, 64\]"),
     (["group_size=0"], r"group_size=0 must be an integer >= 1"),
-    (["residual_length=-1"], r"residual_length=-1 must be an integer >= 0"),
+    (["exact_window=-1"], r"exact_window=-1 must be an integer >= 0"),
     (["sink_tokens=-4"], r"sink_tokens=-4 must be an integer >= 0"),
-    (["mode=packed", "residual_length=20"], r"residual_length=20 must be a multiple of the key group size 32"),
-    (["residual_length=128"], r"residual_length=128 applies to mode=packed only"),
+    (["mode=packed", "exact_window=20"], r"exact_window=20 must be a multiple of the key group size 32"),
+    (["exact_window=128"], r"exact_window=128 applies to mode=packed only"),
     (["rope=middle"], r"rope='middle'.*post, pre"),
     (["mode=fake"], r"mode='fake'.*simulated, packed"),
     (["prefill=maybe"], r"prefill='maybe' is not allowed; choose exact, quantized or null"),
@@ -148,3 +148,16 @@ def test_config_hash_is_the_cache_not_the_spelling(data_dir):
     assert config_hash(cfg_with("bits=3", d)) != config_hash(cfg_with(d))
     assert config_hash(cfg_with("results_dir=elsewhere", "experiment_name=x", d)) == config_hash(cfg_with(d))
     assert config_hash(cfg_with("probe=true", d)) != config_hash(cfg_with(d))
+
+
+def test_the_cache_fields_left_out_of_the_hash_at_their_defaults_are_those_hashes_were_written_without():
+    """`CACHE_DEFAULTS` is derived (every CacheConfig field but `HASHED_ALWAYS`, at its dataclass default); it must keep
+    holding exactly the list once written by hand, or committed config hashes and run keys would change."""
+    from kvq_lab.run.config import CACHE_DEFAULTS, HASHED_ALWAYS
+
+    by_hand = {"key_outliers": 0.0, "value_outliers": 0.0, "key_outlier_thresholds": None, "layers": ()}
+    by_hand |= {"recompute_rank": None, "key_residual": (), "value_residual": (), "skip_layers": (), "prefill": None}
+    by_hand |= {"policy": "kivi", "policy_options": (), "head_bits": ()}
+    assert {k: CACHE_DEFAULTS.get(k, "absent") for k in by_hand} == by_hand
+    assert all(type(CACHE_DEFAULTS[k]) is type(v) for k, v in by_hand.items())  # 0.0, not 0
+    assert set(HASHED_ALWAYS).isdisjoint(CACHE_DEFAULTS) and "residual_length" not in CACHE_DEFAULTS

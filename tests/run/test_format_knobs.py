@@ -26,7 +26,7 @@ BAD = [
     (["format=lut", "bits=5"], r"^format=lut takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: .*format=q5_0 \| q5_1$"),
     (["bits=5"], r"^format=int takes 1, 2, 3, 4, 8 bits; bits=5 conflicts: .*, or a format with 5 bits: format=q5_0"),
     (["key_bits=5"], r"^key_format=int takes 1, 2, 3, 4, 8 bits; key_bits=5 conflicts: .*key_format=q5_0 \| q5_1$"),
-    (["format=fp8_e4m3", "mode=packed", "residual_length=20"], r"residual_length=20 must be a multiple"),
+    (["format=fp8_e4m3", "mode=packed", "exact_window=20"], r"exact_window=20 must be a multiple"),
 ]
 
 
@@ -59,7 +59,7 @@ def test_labels_are_unchanged_for_int_and_name_other_formats():
     assert label() == "K2b-C32_V2b-T32_sim"
     assert label("format=int", "bits=4") == label("bits=4") == "K4b-C32_V4b-T32_sim"
     assert label("format=fp8_e4m3", "key_axis=token") == "Kfp8e4m3-T32_Vfp8e4m3-T32_sim"
-    assert label("key_format=fp8_e5m2", "mode=packed", "residual_length=32") == "Kfp8e5m2-C32_V2b-T32_pac_R32"
+    assert label("key_format=fp8_e5m2", "mode=packed", "exact_window=32") == "Kfp8e5m2-C32_V2b-T32_pac_R32"
     assert label("format=lut", "bits=3") == "Klut3b-C32_Vlut3b-T32_sim"
     assert label("format=fp8_e4m3", "bits=16") == "K16b_V16b_sim"
     lut = QuantSpec(2, 32, "token", "lut", (0.0, 0.1, 0.5, 1.0))
@@ -75,7 +75,7 @@ def test_hash_follows_the_cache(data_dir):
 
 
 def test_format_run_validates(data_dir):
-    plan = validate(compose(["format=fp8_e4m3", "mode=packed", "residual_length=32", f"data_dir={data_dir}"]))
+    plan = validate(compose(["format=fp8_e4m3", "mode=packed", "exact_window=32", f"data_dir={data_dir}"]))
     assert plan.cache.label() == "Kfp8e4m3-C32_Vfp8e4m3-T32_pac_R32"
 
 
@@ -92,7 +92,7 @@ def test_mxfp4_with_backend_auto_warns_once_that_it_takes_the_pytorch_path(monke
     """The C kernel cannot read mxfp4 (its E8M0 scale reads as fp32): `backend=auto` resolves to torch before the
     load, says so once as the README promises, and the record names the backend that runs. Before, the run resolved
     `auto` to torch silently and the warning of the layers' backend selection never came."""
-    from kvq_lab.cache import backends
+    from kvq_lab.cache.routing import backends
     from kvq_lab.kernels import cpu_kernel
 
     if cpu_kernel.build_error() is not None:

@@ -16,12 +16,12 @@ from kvq_lab.plugins import TASKS
 
 CONFIGS = {
     "simulated": {"bits": 2},
-    "packed": {"bits": 2, "mode": "packed", "residual_length": 32, "sink_tokens": 4, "backend": "torch"},
-    "recompute": {"bits": 4, "mode": "recompute", "residual_length": 32, "sink_tokens": 4, "backend": "torch",
+    "packed": {"bits": 2, "mode": "packed", "exact_window": 32, "sink_tokens": 4, "backend": "torch"},
+    "recompute": {"bits": 4, "mode": "recompute", "exact_window": 32, "sink_tokens": 4, "backend": "torch",
                   "group_size": 16, "key_axis": "token", "value_axis": "token"},
-    "recompute_rank": {"bits": 4, "mode": "recompute", "residual_length": 32, "backend": "torch",
+    "recompute_rank": {"bits": 4, "mode": "recompute", "exact_window": 32, "backend": "torch",
                        "recompute": {"rank": 16}, "group_size": 16, "key_axis": "token", "value_axis": "token"},
-    "tiered": {"bits": 2, "mode": "packed", "residual_length": 32, "backend": "torch", "policy": {"name": "mikv"}},
+    "tiered": {"bits": 2, "mode": "packed", "exact_window": 32, "backend": "torch", "policy": {"name": "mikv"}},
 }  # fmt: skip
 TASK_CFGS = {
     "ppl": {"name": "ppl", "context_tokens": 100, "eval_tokens": 60},

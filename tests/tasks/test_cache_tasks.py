@@ -140,7 +140,7 @@ def test_retrieval_runs_end_to_end_at_16_bits(tiny_model_dir, data_dir, tmp_path
     assert rec["inputs"]["data"]["source"] == "generated" and rec["inputs"]["data"]["seed"] == 0
     samples = json.loads((Path(rec["_path"]) / "samples.json").read_text())
     assert [s["depth"] for s in samples] == [0.0, 1.0] and all(len(s["target"]) == 7 for s in samples)
-    m2 = run(compose(args + ["task.prefill=cache", "limit=1"]))  # prefill through the cache: same 16-bit answers
+    m2 = run(compose(args + ["task.prompt_forward=cache", "limit=1"]))  # prefill through the cache: same 16-bit answers
     assert m2["retrieval/n"] == 1
 
 
@@ -378,15 +378,15 @@ def test_kvq_is_an_lm_eval_model_built_from_model_args(tiny_model_dir):
 
     import kvq_lab.lmeval.cli as kl
     from kvq_lab.cache import QuantizedKVCache
-    from kvq_lab.cache.backends import resolve
+    from kvq_lab.cache.routing.backends import resolve
 
     assert get_model("kvq") is kl.KvqLM
     lm = get_model("kvq").create_from_arg_string(
-        f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2,mode=packed,residual_length=32",
+        f"pretrained={tiny_model_dir},key_axis=channel,value_axis=token,bits=2,mode=packed,exact_window=32",
         {"batch_size": 2, "max_batch_size": None, "device": None},
     )
     asked = kl.cache_from_args(
-        {"key_axis": "channel", "value_axis": "token", "bits": 2, "mode": "packed", "residual_length": 32}
+        {"key_axis": "channel", "value_axis": "token", "bits": 2, "mode": "packed", "exact_window": 32}
     )
     assert asked.backend == "auto" and lm.cache_config == replace(asked, backend=resolve(asked))  # the one that runs
     assert lm.cache_config.key.axis == "channel" and lm.cache_config.value.bits == 2 and lm.batch_size_per_gpu == 2

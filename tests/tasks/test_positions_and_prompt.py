@@ -4,8 +4,8 @@
   (`Task.check_positions`, fed by each task's `positions`): before, task=ppl with 9000 context tokens and
   task=fidelity's chunks of 16384 tokens ran on SmolLM2's 8192 positions and recorded `ok`;
 - `policy=fakequant` (KIVI Table 1) quantizes the prompt on every task, the record says so (`prefill`), and a task
-  that runs no prompt through the cache (task=probe) refuses it: before, task.prefill=exact handed the cache exact
-  K/V and the record said fakequant (SmolLM2 ppl 20.68, the exact-prefill number, where the quantized prompt gives
+  that runs no prompt through the cache (task=probe) refuses it: before, task.prompt_forward=exact handed the cache
+  exact K/V and the record said fakequant (SmolLM2 ppl 20.68, the exact-prefill number, where the quantized prompt gives
   22.73)."""
 
 from __future__ import annotations
@@ -92,11 +92,21 @@ def test_fakequant_quantizes_the_prompt_on_every_task_that_runs_one(name):
 @pytest.mark.parametrize(
     "name,options,knobs,expected",
     [
-        ("ppl", {}, {}, "exact"),  # task.prefill=exact hands a Table-1 (simulated) cache the exact K/V, as before
-        ("ppl", {"prefill": "cache"}, {}, "quantized"),
+        (
+            "ppl",
+            {},
+            {},
+            "exact",
+        ),  # task.prompt_forward=exact hands a Table-1 (simulated) cache the exact K/V, as before
+        ("ppl", {"prompt_forward": "cache"}, {}, "quantized"),
         ("ppl", {"protocol": "chunks"}, {}, "quantized"),  # llama.cpp's chunks: each a forward through the cache
         ("fidelity", {}, {"mode": "packed"}, "exact"),
-        ("fidelity", {"prefill": "cache"}, {"mode": "packed"}, "exact"),  # the packed cache's prefill reads exact
+        (
+            "fidelity",
+            {"prompt_forward": "cache"},
+            {"mode": "packed"},
+            "exact",
+        ),  # the packed cache's prefill reads exact
         ("retrieval", {}, {}, "exact"),
         ("coqa_turns", {}, {}, "quantized"),
         ("coqa_turns", {}, {"mode": "packed"}, "exact"),
@@ -115,8 +125,9 @@ def test_fakequant_is_refused_where_no_prompt_goes_through_the_cache(data_dir, t
 
 
 def test_a_fakequant_prefill_is_the_prompts_forward_through_the_cache(tiny):
-    """decode.prefill with task.prefill=exact: under fakequant the prompt's forward reads the quantized cache (the
-    same logits and K/V as task.prefill=cache), under kivi's simulated mode the exact K/V are handed over."""
+    """decode.prefill with task.prompt_forward=exact: under fakequant the prompt's forward reads the quantized cache
+    (the same logits and K/V as task.prompt_forward=cache), under kivi's simulated mode the exact K/V are handed
+    over."""
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(1))
 
     def prefill(knobs: dict, exact: bool):

@@ -44,8 +44,8 @@ def test_task_configs_compose_and_validate(task, data_dir):
 
 
 def test_ppl_options_are_checked_before_model_load(data_dir):
-    with pytest.raises(ConfigError, match="task.prefill"):
-        validate(compose(["task=ppl", "task.prefill=sometimes", f"data_dir={data_dir}"]))
+    with pytest.raises(ConfigError, match="task.prompt_forward"):
+        validate(compose(["task=ppl", "task.prompt_forward=sometimes", f"data_dir={data_dir}"]))
     with pytest.raises(ConfigError, match="task.eval_tokens"):
         validate(compose(["task=ppl", "task.eval_tokens=0", f"data_dir={data_dir}"]))
 
@@ -203,7 +203,7 @@ def test_exact_prefill_equals_the_packed_caches_own_prefill(tiny_model):
     ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(0))
 
     def packed(r):
-        cfg = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", residual_length=r)
+        cfg = CacheConfig(QuantSpec(2, 32, "channel"), QuantSpec(2, 32, "token"), mode="packed", exact_window=r)
         return QuantizedKVCache.for_model(tiny_model, cfg)
 
     for r in (0, 32):

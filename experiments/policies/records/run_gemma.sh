@@ -4,7 +4,7 @@
 set -u
 cd "$(dirname "$0")/../../.."
 export OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
-COMMON="experiment=policies model=gemma3-270m mode=packed residual_length=128 group_size=32 quant=2bit_KC_VT logger=none"
+COMMON="experiment=policies model=gemma3-270m mode=packed exact_window=128 group_size=32 quant=2bit_KC_VT logger=none"
 FID="task=fidelity task.source=gsm8k task.context_tokens=4096 task.eval_tokens=256 task.windows=1"
 NEEDLE="task=retrieval task.kind=needle task.samples=3 task.context_tokens=8192 task.prompt=plain"
 for task in "$FID" "$NEEDLE"; do

@@ -15,7 +15,7 @@ A policy is one file in this folder plus its registry line in `POLICIES`, chosen
   `window` tokens stay with the mode's own layer (which then takes the generated tokens too, streaming as `mode`
   says); the tokens between them are ranked by a score (`kvq_lab.cache.policies.scores`: `knorm`, `attention`,
   `snapkv`, `normalized`) and given to tiers in rank order, each tier a share of them stored by the mode's layer at
-  the tier's quantizer, or dropped (`Tier.config` None). `kvq_lab.cache.tiered.TieredLayer` is the one layer that
+  the tier's quantizer, or dropped (`Tier.config` None). `kvq_lab.cache.layers.tiered.TieredLayer` is the one layer that
   carries this out, in both modes; the bit accounting (`kvq_lab.cache.accounting`) reads the same tiers.
 
 Torch-free (config validation imports it); the scores and the layer import torch.
@@ -183,7 +183,7 @@ class TokenPolicy(Policy):
         if group is not None:
             key, value = replace(key, group_size=group), replace(value, group_size=group)
         return replace(
-            cache, key=key, value=value, sink_tokens=0, residual_length=0, prefill="quantized", policy=DEFAULT_POLICY,
+            cache, key=key, value=value, sink_tokens=0, exact_window=0, prefill="quantized", policy=DEFAULT_POLICY,
             policy_options=(), layers=(), skip_layers=(),
         )  # fmt: skip
 

@@ -5,8 +5,8 @@ zero-padded and quantized again as they fill (`sink_tokens`, where set, stay exa
 Simulated mode's layers do exactly this (with the prompt quantized: `prefill` unset or `quantized`); the policy names
 it, so that a config that says "Table 1" cannot drift into something else: it refuses the packed cache (which keeps
 partial groups and its window exact) and an exact prefill, and it quantizes the prompt on every task
-(`quantizes_prompt`: task=ppl, fidelity and retrieval, whose `task.prefill=exact` would hand the cache the exact K/V
-of their context, forward it through the cache instead; task=probe, which runs no prompt through a cache, is
+(`quantizes_prompt`: task=ppl, fidelity and retrieval, whose `task.prompt_forward=exact` would hand the cache the
+exact K/V of their context, forward it through the cache instead; task=probe, which runs no prompt through a cache, is
 refused before load). The layers are simulated mode's, unchanged, so the
 Table-1 records (experiments/kivi_axis_table, made as `mode=simulated`) reproduce bit for bit through it
 (tests/cache/test_policies.py)."""

@@ -1,6 +1,6 @@
 """`policy=kivi` (the default): every token stored as the cache's mode says, nothing chosen per token.
 
-Packed mode: KIVI's streaming (exact sinks, an exact window of `residual_length` tokens, groups quantized as they
+Packed mode: KIVI's streaming (exact sinks, an exact window of `exact_window` tokens, groups quantized as they
 fill); simulated mode: KIVI Table 1's fake quant of every token; the prompt's forward as `prefill` says."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ higher the more worth keeping, summed over heads (every head of a layer keeps th
   smoothed by an average pool of 5 tokens along the sequence (SnapKV's clustering).
 
 The attention scores recompute the prompt's score matrix from the queries and keys the model's attention was given
-(`kvq_lab.cache.attention` hands them over after the prefill's SDPA), in blocks of queries so that memory stays
+(`kvq_lab.cache.routing.attention` hands them over after the prefill's SDPA), in blocks of queries so that memory stays
 O(block x T); no second forward pass.
 """
 

@@ -10,7 +10,7 @@
 
 Tests run them on CPU under `TRITON_INTERPRET=1` (tests/kernels/test_triton.py) and build every launch for sm_90 without
 a GPU (tests/kernels/test_triton_compile.py: also reads the tensor-core route's machine code back, via
-scripts/kernel_report.py). `kvq_lab.cache.backends` wires them in. Import is lazy: only
+scripts/kernel_report.py). `kvq_lab.cache.routing.backends` wires them in. Import is lazy: only
 `backend=triton` (or `auto` on a CUDA machine) imports this package, and with it triton.
 """
 

@@ -48,7 +48,7 @@ def supports(view: DecodeView, query: torch.Tensor, mask=None) -> str | None:
     """The route this kernel takes for this view, query and mask: "tensor_cores" (`attention_tc`: fp16 / bf16 models,
     int codes, rope=post; `attention_tc.fast_route_reason` says why not), "general" (any other configuration the
     kernel reads), or None where it reads none: then `decode_attention` takes the PyTorch path for a plain view and
-    raises `Unsupported` for a view with `rope`, `pads` or `hadamard` (`kvq_lab.cache.attention` rebuilds or
+    raises `Unsupported` for a view with `rope`, `pads` or `hadamard` (`kvq_lab.cache.routing.attention` rebuilds or
     materializes those).
 
     Both routes need a CUDA device (CPU tensors under TRITON_INTERPRET=1), an fp32, fp16 or bf16 model (query, sinks
@@ -160,8 +160,8 @@ def decode_attention(
         if view.rope is not None or view.pads is not None or view.hadamard is not None:  # the PyTorch path reads none
             raise Unsupported(
                 "the Triton kernel cannot take this query, mask or view (`supports` says why not); rebuild the view "
-                "without `rope`, `pads` and `hadamard` for torch_path.decode_attention_torch (kvq_lab.cache.attention "
-                "does)"
+                "without `rope`, `pads` and `hadamard` for torch_path.decode_attention_torch "
+                "(kvq_lab.cache.routing.attention does)"
             )
         return decode_attention_torch(view, query, mask, scaling)
     if route is not None:

@@ -15,7 +15,7 @@ e.g. 0.75 bits per element for lowrank:1 over blocks of 32 tokens, 1 bit for low
 
 A block is stored once complete; until then its tokens keep their error in fp16 (`kvq_lab.quant.residuals`, GEAR's
 streaming buffer). n = 32 by default (the packing block and the default group size); in packed mode a per-channel
-tensor flushes whole windows, so its window (residual_length, or the group size when 0) must be a multiple of n.
+tensor flushes whole windows, so its window (exact_window, or the group size when 0) must be a multiple of n.
 """
 
 from __future__ import annotations

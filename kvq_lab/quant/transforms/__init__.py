@@ -79,7 +79,7 @@ class Positions(NamedTuple):
 
     ids: [B, T] position ids (what the model's attention rotated the keys at).
     cos, sin: [B, 1, T, D] fp32, the RoPE rotation at those positions (broadcast over heads), or None for a model
-        without RoPE (`kvq_lab.cache.rope.RopeHelper.positions` computes them with the model's rotary module).
+        without RoPE (`kvq_lab.cache.routing.rope.RopeHelper.positions` computes them with the model's rotary module).
     """
 
     ids: torch.Tensor
@@ -113,9 +113,9 @@ class Transform(ABC):
         first             must see the tensor as the model made it (it undoes something the model did)
         skip_unquantized  dropped around a 16-bit (identity) quantizer, where it would only add rounding
         fitted            its parameters are fitted on calibration data (`fit`); the bare spelling has none
-        kernel_feature    a kernel feature (`kvq_lab.cache.backends.Backend.features`) that applies this transform
-                          inside the decode kernel when it is a tensor's only one (`rope`, `hadamard`), or None
-    and what it stores besides the codes: `stored_bits` (per layer, e.g. fitted scales), which the byte accounting
+        kernel_feature    a kernel feature (`kvq_lab.cache.routing.backends.Backend.features`) that applies this
+                          transform inside the decode kernel when it is a tensor's only one (`rope`, `hadamard`), or
+    None and what it stores besides the codes: `stored_bits` (per layer, e.g. fitted scales), which the byte accounting
     adds to the format's own cost.
     """
 

@@ -40,7 +40,8 @@ _LAST: list = [None]  # (cos, sin) weak references and what `_shared` derived fr
 
 def _shared(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos^2 + sin^2, and sin with its first half negated, for the latest cos/sin: every layer of a decode step gets
-    the same cos/sin tensors (`kvq_lab.cache.rope.RopeHelper` keeps them), so these are computed once per step."""
+    the same cos/sin tensors (`kvq_lab.cache.routing.rope.RopeHelper` keeps them), so these are computed once per
+    step."""
     import torch
 
     last = _LAST[0]

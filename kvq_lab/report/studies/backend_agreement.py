@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.common.spellings import current
 from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
@@ -20,8 +21,8 @@ def ppl(recs: list[dict]) -> dict[tuple[int, int, str], float]:
     """(bits, residual length, backend) -> decode perplexity of the newest record."""
     out = {}
     for r in recs:
-        c = r["config"]
-        out[(c["bits"], c["residual_length"], c["backend"])] = r["metrics"]["ppl/ppl"]
+        c = current(r["config"])  # records written before exact_window was renamed say residual_length
+        out[(c["bits"], c["exact_window"], c["backend"])] = r["metrics"]["ppl/ppl"]
     return out
 
 
@@ -51,4 +52,4 @@ def figure(recs: list[dict], folder: Path) -> None:
 
 def rows(recs: list[dict]):
     """One line per (bits, residual length, backend): its decode perplexity."""
-    return frame({"bits": b, "residual_length": r, "backend": k, "ppl": v} for (b, r, k), v in ppl(recs).items())
+    return frame({"bits": b, "exact_window": r, "backend": k, "ppl": v} for (b, r, k), v in ppl(recs).items())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq_lab.common.spellings import current
 from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
@@ -56,13 +57,13 @@ def tables(recs: list[dict], model=None, tokens: int = TOKENS) -> dict[str, str]
     for r in recs:
         if "ppl/ppl" not in r["metrics"]:
             continue
-        cc = r["cache_config"]
+        cc = current(r["cache_config"])  # records written before exact_window was renamed say residual_length
         k, v = cc["key"], cc["value"]
         cfg = CacheConfig(
             key=QuantSpec(k["bits"], k["group_size"], k["axis"], k["format"]),
             value=QuantSpec(v["bits"], v["group_size"], v["axis"], v["format"]),
             mode=cc["mode"],
-            residual_length=cc["residual_length"],
+            exact_window=cc["exact_window"],
             sink_tokens=cc["sink_tokens"],
             recompute_rank=cc.get("recompute_rank"),
             backend="torch",

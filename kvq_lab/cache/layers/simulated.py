@@ -3,7 +3,7 @@
 Every cached token, prefill included, is quantized and dequantized before attention sees it; exact keys and
 values are kept alongside, so nothing is lost between steps. The arithmetic (groups by position, aligned at the
 first non-sink token; a partial per-channel group zero-padded and requantized as tokens join it; full groups final)
-is `kvq_lab.cache.simulated_stream`'s, one stream per tensor.
+is `kvq_lab.cache.layers.simulated_stream`'s, one stream per tensor.
 
 Left-padded batches: row b's first `p_b` positions are padding. Each row has its own streams, run on its real
 tokens only (positions p_b onwards), so sinks are the row's first `sink_tokens` real tokens, per-channel groups
@@ -36,12 +36,11 @@ import math
 
 import torch
 
+from kvq_lab.cache.accounting import kv_bits
+from kvq_lab.cache.layers.base import QuantizedLayerBase, register_layer
+from kvq_lab.cache.layers.simulated_batch import Growing, SimulatedRows
+from kvq_lab.cache.layers.simulated_stream import FakeQuantStream, tail_around
 from kvq_lab.quant.transforms import Positions
-
-from .accounting import kv_bits
-from .base import QuantizedLayerBase, register_layer
-from .simulated_batch import Growing, SimulatedRows
-from .simulated_stream import FakeQuantStream, tail_around
 
 
 def left_pads(valid: torch.Tensor) -> list[int]:

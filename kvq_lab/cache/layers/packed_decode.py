@@ -1,11 +1,11 @@
 """The packed layer's side of the fused decode path: what it hands the decode kernels at each step.
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
-`kvq_sdpa` (`kvq_lab.cache.attention`), which hands ordinary tensors to SDPA unchanged and, on decode steps,
+`kvq_sdpa` (`kvq_lab.cache.routing.attention`), which hands ordinary tensors to SDPA unchanged and, on decode steps,
 receives the layer itself (`PackedKV`) instead of K/V tensors. The layer's `decode_view()` (its stored segments as
 plain tensors, `kvq_lab.kernels.view.DecodeView`) then goes to the backend's `decode_attention`
-(`kvq_lab.cache.backends`): `backend=cpu` (the CPU default) and `backend=triton` with a fused kernel that reads the
-packed bytes (no buffer of the cache's size); `backend=torch`, the pure-PyTorch path
+(`kvq_lab.cache.routing.backends`): `backend=cpu` (the CPU default) and `backend=triton` with a fused kernel that reads
+the packed bytes (no buffer of the cache's size); `backend=torch`, the pure-PyTorch path
 (`kvq_lab.kernels.torch_path`), builds each of K and V for this step in a reused fp32 workspace (sinks and window
 copied, history unpacked and dequantized in place) and calls SDPA with the query heads grouped per kv head (no
 repeat_kv). Nothing dequantized outlives the step. A left-padded batch decodes on the fused path where the backend
@@ -20,7 +20,7 @@ cannot take it hands back, and the view is built. In the model that is ~2 ms of 
 (`git show 8e8c818:experiments/cache_speed/README.md`); a padded batch of 4 at 512 tokens decodes ~5% faster with
 it.
 
-Transforms in the view (what the layer stores: `kvq_lab.cache.packed`): under a foldable pipeline (hadamard) the
+Transforms in the view (what the layer stores: `kvq_lab.cache.layers.packed`): under a foldable pipeline (hadamard) the
 view carries the stored codes and window as they are and this step's sinks mapped into T's basis; `kvq_sdpa` maps
 the query with T and the output back with T^-1 around the kernel, except that the CPU kernel makes both maps itself
 for the `hadamard` transform alone (`DecodeView.hadamard`). Under rope_pre the PyTorch path reads the history
@@ -66,10 +66,10 @@ def rope_table(rotary_emb: torch.nn.Module, P: int, like: torch.Tensor) -> tuple
 
 
 class PackedDecode:
-    """The decode-path methods of `kvq_lab.cache.packed.PackedLayer`, over what the layer holds: `cfg`, `backend`,
-    `rope`, `k_stream`, `v_stream`, `sink_k`, `sink_v`, `N`, `pads`, `uniform`, `k_pipe`, `v_pipe`, the position
-    log `_log`, the latest rope view `_rope`, the kept call `_kept`, and `_undo` (a non-foldable pipeline undone at
-    stored positions)."""
+    """The decode-path methods of `kvq_lab.cache.layers.packed.PackedLayer`, over what the layer holds: `cfg`,
+    `backend`, `rope`, `k_stream`, `v_stream`, `sink_k`, `sink_v`, `N`, `pads`, `uniform`, `k_pipe`, `v_pipe`, the
+    position log `_log`, the latest rope view `_rope`, the kept call `_kept`, and `_undo` (a non-foldable pipeline
+    undone at stored positions)."""
 
     def decode_view(self) -> DecodeView:
         """Both streams quantized: the stored segments as plain tensors for the kernels, with the extensions this

@@ -5,10 +5,10 @@ With `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is r
 ordinary tensors to SDPA unchanged and, on decode steps, receives a `PackedKV` handle instead of K/V tensors: the
 layer's `decode_view()` (plain tensors) then goes to its backend's `decode_attention`.
 
-A token policy whose score reads queries (`kvq_lab.cache.tiered`) is handed the prompt's queries and keys right after
-the prompt's SDPA, through the attention module's `kvq_observer` (a weak reference to its cache layer). On a batch's
-decode steps a token policy's layer hands a `MaskedKV` (each row's kept columns, right-aligned, and which columns a
-row holds): the model's mask counts positions, not what each row kept, so the mask is made here instead.
+A token policy whose score reads queries (`kvq_lab.cache.layers.tiered`) is handed the prompt's queries and keys right
+after the prompt's SDPA, through the attention module's `kvq_observer` (a weak reference to its cache layer). On a
+batch's decode steps a token policy's layer hands a `MaskedKV` (each row's kept columns, right-aligned, and which
+columns a row holds): the model's mask counts positions, not what each row kept, so the mask is made here instead.
 
 Transforms (`kvq_lab.quant.transforms`): a pipeline that folds into attention (an orthogonal map M of the head dim,
 e.g. hadamard) is applied here, around the kernel, which stays unaware of it: keys stored as k M are read with the
@@ -58,7 +58,7 @@ class PackedKV:
 
 
 class MaskedKV:
-    """What a token policy's layer hands the attention function on a batch's steps (`kvq_lab.cache.tiered`): K/V
+    """What a token policy's layer hands the attention function on a batch's steps (`kvq_lab.cache.layers.tiered`): K/V
     [B, Hkv, S, D], each row's columns right-aligned, and `valid` [B, S] (False: a column the row does not hold). The
     step's n new tokens are every row's last n columns."""
 

@@ -3,7 +3,7 @@
 `Growing`: a [B, H, T, D] tensor growing along tokens with spare room, so a decode step copies its new tokens only;
 the layer keeps its exact, transformed and attended tensors in them (`SimulatedLayer._grown`).
 
-`SimulatedRows`, the row edits of `kvq_lab.cache.simulated.SimulatedLayer` (`QuantizedLayerBase`'s batching
+`SimulatedRows`, the row edits of `kvq_lab.cache.layers.simulated.SimulatedLayer` (`QuantizedLayerBase`'s batching
 hooks; `QuantizedKVCache.stack`, `admit`, `select_rows`, `trim_padding` call them): `stack` joins caches of single
 prompts into one left-padded batch that decodes as the rows would alone (`kvq_lab.lmeval.wrapper` batches prefix
 reuse with it), `admit` puts a new prompt in a finished row's place, `select_rows` keeps some rows, `drop_left`

@@ -9,7 +9,7 @@ policy's score (`kvq_lab.cache.policies.scores`) and dealt to the policy's tiers
 the first tier, and so on. A tier is one more layer of the cache's mode at the tier's quantizer (no sinks, no
 window, its tokens in their original order), filled once and never updated again, so what attention reads of it is
 made once; a tier whose config is None is dropped (eviction). Scores that read queries (`attention`, `snapkv`,
-`normalized`) get them from the routed attention function (`kvq_lab.cache.attention.kvq_sdpa_attention`), which
+`normalized`) get them from the routed attention function (`kvq_lab.cache.routing.attention.kvq_sdpa_attention`), which
 hands the layer the prompt's queries and keys right after its SDPA; `knorm` splits at once.
 
 What attention reads afterwards: the tiers' K/V, then the main layer's, concatenated along tokens. Keys are stored
@@ -20,8 +20,8 @@ new tokens keep their causal order while every kept token stays visible, and `ge
 
 Left-padded batches: each row is split as its prompt alone would be (`_Row`: its real tokens, its own scores from its
 own queries, its own tiers), so rows hold different numbers of tokens. Decode steps hand attention each row's columns
-right-aligned in one tensor with the columns a row does not hold marked (`kvq_lab.cache.attention.MaskedKV`), which
-the routed attention function masks itself: the model's own mask counts positions, not what each row kept. A batch
+right-aligned in one tensor with the columns a row does not hold marked (`kvq_lab.cache.routing.attention.MaskedKV`),
+which the routed attention function masks itself: the model's own mask counts positions, not what each row kept. A batch
 therefore needs the routed `sdpa` attention (`QuantizedKVCache.for_model` routes it). No prefix checkpoints
 (`prefix_boundary` 0) and no stacking of single-prompt caches.
 """
@@ -32,10 +32,10 @@ import weakref
 
 import torch
 
-from .attention import MaskedKV
-from .base import LAYERS, PaddingState, QuantizedLayerBase
-from .policies import deal
-from .policies.scores import score
+from kvq_lab.cache.layers.base import LAYERS, PaddingState, QuantizedLayerBase
+from kvq_lab.cache.policies import deal
+from kvq_lab.cache.policies.scores import score
+from kvq_lab.cache.routing.attention import MaskedKV
 
 
 class _Row:
@@ -132,7 +132,7 @@ class TieredLayer(QuantizedLayerBase):
     def prepare_model(model, cache) -> None:
         """Route an `sdpa` model's attention through `kvq_sdpa` (a batch's decode masks each row's columns there) and
         have each attention module hand its layer the prompt's queries (only scores that read queries need them)."""
-        from .attention import route_model
+        from kvq_lab.cache.routing.attention import route_model
 
         tiered = [layer for layer in cache.layers if isinstance(layer, TieredLayer)]
         if not tiered or not route_model(model, []):

@@ -27,7 +27,7 @@ class PackedStore:
         are their own values. Shared with the format (read-only); per tensor where the format's table depends on what
         a layer fitted (lut's codebook, nvfp4's tensor scale: `format.table_bytes` counts what is stored of it).
     Memory is allocated in whole blocks of BLOCK tokens (per-channel params: whole groups) as tokens arrive.
-    `backend` (`kvq_lab.cache.backends`) quantizes what is written and dequantizes what is read.
+    `backend` (`kvq_lab.cache.routing.backends`) quantizes what is written and dequantizes what is read.
     outliers (`kvq_lab.quant.outliers.Outliers`, or None): dense-and-sparse; the elements its `mask` marks are kept out
         of their group's statistics (code 0) and stored exactly beside the codes: `out_val` [K] in the model's dtype
         (as sinks and windows are kept; fp16 models: 2 bytes) and `out_idx` int32 [K], the flat index

@@ -9,8 +9,8 @@ group, not the whole history (`FakeQuantStream.tail`: the new token, or the per-
 
 Transforms (`key_transform`, `value_transform`; `kvq_lab.quant.transforms`): the stream runs on the transformed
 tensor T(x), and what attention sees is T^-1 of its fake quantization (`tail_around`); sinks stay exact. `simulate`
-is the whole arithmetic on a whole tensor in one call (the probes use it; `kvq_lab.cache.simulated.SimulatedLayer`
-reproduces it token by token).
+is the whole arithmetic on a whole tensor in one call (the probes use it;
+`kvq_lab.cache.layers.simulated.SimulatedLayer` reproduces it token by token).
 """
 
 from __future__ import annotations

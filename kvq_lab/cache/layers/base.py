@@ -9,13 +9,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvq_lab.cache.config import CacheConfig
+from kvq_lab.cache.modes import capabilities
+from kvq_lab.cache.routing.rope import RopeHelper, position_ids_from, positions_for
 from kvq_lab.common.registry import Registry
 from kvq_lab.kernels.torch_path import all_finite
 from kvq_lab.quant.transforms import Pipeline, Positions
-
-from .config import CacheConfig
-from .modes import capabilities
-from .rope import RopeHelper, position_ids_from, positions_for
 
 
 class NonFiniteError(FloatingPointError):

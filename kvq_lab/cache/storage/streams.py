@@ -29,11 +29,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvq_lab.cache.storage.store import PackedStore, tensor_bytes
 from kvq_lab.kernels.view import StreamView
 from kvq_lab.quant.pack import BLOCK
 from kvq_lab.quant.spec import QuantSpec
-
-from .store import PackedStore, tensor_bytes
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 
@@ -52,16 +51,14 @@ class Stream(Protocol):
     def nbytes(self) -> int: ...
 
 
-def make_stream(
-    spec: QuantSpec, residual_length: int, sink_tokens: int, backend, outliers=None, residual=None
-) -> Stream:
+def make_stream(spec: QuantSpec, exact_window: int, sink_tokens: int, backend, outliers=None, residual=None) -> Stream:
     """The policy for a quantizer: 16 bits exact; per-token groups a sliding window; per-channel groups a fill.
     outliers: dense-and-sparse elements kept exact in the store (`PackedStore`), or None; residual: corrections of
     the error stored beside the codes (`kvq_lab.quant.residuals.Chain`), or None."""
     if spec.is_identity:
         return ExactStream()
     cls = SlidingStream if spec.axis == "token" else FillStream
-    stream = cls(spec, residual_length, sink_tokens, backend)
+    stream = cls(spec, exact_window, sink_tokens, backend)
     stream.store.outliers, stream.store.residual = outliers, residual
     return stream
 

@@ -5,7 +5,7 @@ What is stored, per layer (positions are absolute cache positions 0..N-1; row b 
     sinks    the first `sink_tokens` real tokens of each row, exact (post-RoPE keys, as the model made them).
     history  quantized tokens, codes bit-packed along tokens (`kvq_lab.quant.pack`), scale/zero per group at the
              format's stored width (fp16; one byte for nvfp4's and mxfp4's scales), widened when read.
-    window   the most recent tokens in full precision, a fixed buffer of `residual_length` (R) tokens (and R/16
+    window   the most recent tokens in full precision, a fixed buffer of `exact_window` (R) tokens (and R/16
              spare rows it moves through, one row copied per step: `streams._Window`).
 
 Streaming follows the grouping axis of each tensor (so any axis works for keys or values):
@@ -35,9 +35,9 @@ kernels) decodes ragged batches on the fused path (next paragraph), each row rea
 history and window; others assemble full K/V per step with one gather (slower than the batch-1 path, exact).
 
 Decode attention: with `QuantizedKVCache.for_model` on an `sdpa` model, the model's attention is routed through
-`kvq_sdpa` (`kvq_lab.cache.attention`); on decode steps `update` hands it the layer itself (`PackedKV`), whose view
-of the stored segments goes to the backend's kernel (`kvq_lab.cache.packed_decode`: the view, kept calls). Nothing
-dequantized outlives the step; `nbytes()` counts only what is stored. Without the routing (another attention
+`kvq_sdpa` (`kvq_lab.cache.routing.attention`); on decode steps `update` hands it the layer itself (`PackedKV`), whose
+view of the stored segments goes to the backend's kernel (`kvq_lab.cache.layers.packed_decode`: the view, kept calls).
+Nothing dequantized outlives the step; `nbytes()` counts only what is stored. Without the routing (another attention
 implementation, or a cache built directly), `update` returns dequantized K/V and the model's attention runs as
 usual.
 
@@ -59,17 +59,16 @@ from __future__ import annotations
 
 import torch
 
+from kvq_lab.cache.accounting import kv_bits
+from kvq_lab.cache.layers.base import QuantizedLayerBase, register_layer
+from kvq_lab.cache.layers.packed_decode import PackedDecode
+from kvq_lab.cache.routing.attention import PackedKV, route_model
+from kvq_lab.cache.routing.backends import get_backend
+from kvq_lab.cache.routing.rope import PositionLog, step_position_ids
+from kvq_lab.cache.storage.rows import left_padded_sinks
+from kvq_lab.cache.storage.store import tensor_bytes
+from kvq_lab.cache.storage.streams import make_stream
 from kvq_lab.kernels.view import RopeView
-
-from .accounting import kv_bits
-from .attention import PackedKV, route_model
-from .backends import get_backend
-from .base import QuantizedLayerBase, register_layer
-from .packed_decode import PackedDecode
-from .rope import PositionLog, step_position_ids
-from .rows import left_padded_sinks
-from .store import tensor_bytes
-from .streams import make_stream
 
 
 @register_layer("packed")
@@ -77,7 +76,7 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
     """One attention layer's packed cache (see the module docstring for the storage and streaming rules).
 
     sink_k, sink_v: [B, H, S, D] exact (the first S real tokens of each row); k_stream, v_stream: the tokens after
-    them (`kvq_lab.cache.streams`); N: cached positions, padding included; pads: left-padding positions per row.
+    them (`kvq_lab.cache.storage.streams`); N: cached positions, padding included; pads: left-padding positions per row.
     """
 
     @staticmethod
@@ -97,7 +96,7 @@ class PackedLayer(PackedDecode, QuantizedLayerBase):
         self.N = 0
         self.pads: list[int] = []
         self.sink_k = self.sink_v = None
-        R, S = cfg.residual_length, cfg.sink_tokens
+        R, S = cfg.exact_window, cfg.sink_tokens
         self.k_stream = make_stream(cfg.key, R, S, self.backend, cfg.outliers("key"), cfg.residual("key"))
         self.v_stream = make_stream(cfg.value, R, S, self.backend, cfg.outliers("value"), cfg.residual("value"))
         self._fold_pair = self.k_pipe is not None and self.k_pipe.foldable and self.k_pipe == self.v_pipe

@@ -13,7 +13,7 @@ With r = rank(W) (<= (H_k + H_v) D) the projection loses nothing (W's rows lie i
 the smallest singular directions of W are dropped.
 
 Storage: Z is one `[B, 1, T, r]` tensor under the key quantizer (`cfg.key`: bits, format, group size, axis) with
-the packed cache's streaming and storage (`kvq_lab.cache.streams`: sinks exact, residual window exact, history
+the packed cache's streaming and storage (`kvq_lab.cache.storage.streams`: sinks exact, residual window exact, history
 bit-packed). The value quantizer must equal the key's (`CacheConfig` checks). Prefill attention reads the exact K/V
 the model computed (as the packed cache does); decode steps read K/V rebuilt from the stored Z. Positions are not
 stored: each row's positions are its token order after its left padding (what `generate` passes; checked at every
@@ -33,15 +33,14 @@ import logging
 import torch
 from torch import nn
 
+from kvq_lab.cache.layers.base import PaddingState, QuantizedLayerBase, register_layer
+from kvq_lab.cache.routing.backends import get_backend
+from kvq_lab.cache.routing.rope import position_ids_from
+from kvq_lab.cache.storage.rows import left_padded_sinks
+from kvq_lab.cache.storage.store import tensor_bytes
+from kvq_lab.cache.storage.streams import make_stream
 from kvq_lab.quant.spec import QuantConfigError
 from kvq_lab.quant.transforms.rope_pre import rotate
-
-from .backends import get_backend
-from .base import PaddingState, QuantizedLayerBase, register_layer
-from .rope import position_ids_from
-from .rows import left_padded_sinks
-from .store import tensor_bytes
-from .streams import make_stream
 
 log = logging.getLogger("kvq_lab")
 _HOOK = "_kvq_recompute_hook"  # attribute marking an attention module whose X is captured
@@ -189,7 +188,7 @@ class RecomputeLayer(QuantizedLayerBase):
         super().__init__(cfg, rope, padding)
         self._args = (cfg, rope, padding)
         self.backend = get_backend(cfg.backend, (cfg.key,))
-        self.stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, self.backend)
+        self.stream = make_stream(cfg.key, cfg.exact_window, cfg.sink_tokens, self.backend)
         self.proj: Projection | None = None
         self.pending_x: torch.Tensor | None = None  # X [B, T, d] of the forward in progress, from the hook
         self.sink: torch.Tensor | None = None  # [B, 1, S, r] exact Z of each row's first S real tokens
@@ -224,7 +223,7 @@ class RecomputeLayer(QuantizedLayerBase):
         if self.layer_idx == 0:
             log.warning("mode=recompute: X's width %d is not a power of two; the PyTorch path stores it", w)
         self.backend = get_backend("torch")
-        self.stream = make_stream(self.cfg.key, self.cfg.residual_length, self.cfg.sink_tokens, self.backend)
+        self.stream = make_stream(self.cfg.key, self.cfg.exact_window, self.cfg.sink_tokens, self.backend)
 
     def get_seq_length(self) -> int:
         return self.N
@@ -340,7 +339,7 @@ class RecomputeLayer(QuantizedLayerBase):
         width = cfg.recompute_rank or shape.hidden
         gen = torch.Generator().manual_seed(0)
         z = torch.randn(1, 1, n_tokens, width, generator=gen).to(shape.dtype)
-        stream = make_stream(cfg.key, cfg.residual_length, cfg.sink_tokens, get_backend("torch"))
+        stream = make_stream(cfg.key, cfg.exact_window, cfg.sink_tokens, get_backend("torch"))
         pads, (sink,) = left_padded_sinks(PaddingState(), cfg.sink_tokens, z, what="the recompute cache")
         stream.prefill(z, pads)
         return tensor_bytes(sink) + stream.nbytes()

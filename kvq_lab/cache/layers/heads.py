@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from .base import LAYERS, QuantizedLayerBase
+from kvq_lab.cache.layers.base import LAYERS, QuantizedLayerBase
 
 
 class HeadsLayer(QuantizedLayerBase):
