@@ -74,12 +74,16 @@ class QuantizedKVCache(Cache):
     def stored_bits(cfg: CacheConfig, n_tokens: int, model=None) -> dict[str, float]:
         """What a cache of `cfg` stores for a sequence of n_tokens (the task's, `Task.cached_tokens`), each layer's
         count by its own kind (`stored_bits` of the mode's, tiered or heads layer; `kvq_lab.cache.accounting`), over
-        the model's layers and shape (None: one head of 64, one layer per fitted config):
+        the model's layers and shape (None: one head of 64, one layer per fitted config; a `Shape`: a model's shape
+        read from its files, counted before it loads):
         `cache/bits_key`, `cache/bits_value`, `cache/bits` (the format's own cost), `cache/bits_total_key`,
         `cache/bits_total_value`, `cache/bits_total` (their mean: everything stored, per K/V element) and
         `cache/bits_tokens`. A mode that caches one tensor instead of K and V (`Capabilities.stores_kv` False) has
         no per-tensor numbers: `cache/bits_total` and `cache/bytes_per_token` (per token and layer) from its bytes."""
-        shape = Shape.of(model) if model is not None else Shape(layers=max(1, len(cfg.layers)))
+        if isinstance(model, Shape):
+            shape = model
+        else:
+            shape = Shape.of(model) if model is not None else Shape(layers=max(1, len(cfg.layers)))
         configs = [cfg.for_layer(i) for i in range(shape.layers)]
         n = n_tokens
         if not cfg.caps.stores_kv:

@@ -144,6 +144,14 @@ def run_values(p: Pending) -> None:
     v["results_dir"] = settings.check_paths(c)
 
 
+def search_settings(p: Pending) -> None:
+    """experiment=frontier's own settings (`kvq_lab.preflight.frontier`), where the config has them."""
+    if p.c.get("frontier"):
+        from . import frontier as search
+
+        search.settings(p.c["frontier"])
+
+
 def logger(p: Pending) -> None:
     section = p.c["logger"]
     name = section.get("name")
@@ -274,7 +282,8 @@ def backend(p: Pending) -> None:
 # --- the order, once -----------------------------------------------------------------------------------------------
 
 RUN: tuple[Check, ...] = (
-    renamed, known_keys, cache, device, dtype, precision, calibration, run_values, logger, probes, task,
+    renamed, known_keys, cache, device, dtype, precision, calibration, run_values, search_settings, logger, probes,
+    task,
     source, facts, layers, features, recompute, run_config, task_inputs, positions, prompt, model_files, backend,
 )  # fmt: skip
 # lm-eval's `kvq` model: no run settings, no task (lm-eval's own), no fit settings (calibration's defaults)

@@ -106,6 +106,14 @@ class RunSchema(CacheKnobs):
         "own, decoded on the PyTorch path)",
         factory=dict,
     )
+    frontier: Any = knob(
+        None,
+        "`experiment=frontier`: the frontier search's settings (`frontier.budgets` [3, 4.5, 8.5] stored bits per K/V "
+        "element, `max_candidates`, `max_minutes`, `keep`, `correlate`, `sources`, `screen`, `rank`, `confirm`, "
+        "`noise`, `stages`, `report_dir`: kvq_lab/preflight/frontier.py, experiments/frontier/README.md); empty: an "
+        "ordinary run",
+        factory=dict,
+    )
 
 
 def register_schema() -> None:
@@ -210,6 +218,7 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
     from kvq_lab.fit.calibration_settings import needs_calibration
 
     precision = precision_settings.hash_part(c.get("precision"))  # per-layer bits by content; uniform: left out
+    c.pop("frontier", None)  # the search's own settings: its rows run without them (kvq_lab.frontier)
     for k in (*WHERE, *CACHE_KNOBS, "precision"):
         c.pop(k, None)
     noise = parse_noise(c.pop("noise", None))  # added after records existed: hashed only when a rerun is perturbed

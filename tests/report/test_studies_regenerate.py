@@ -28,6 +28,7 @@ TABLES = {  # study -> the tables it writes, relative to experiments/<study>/
     "fidelity": ["table.md", "long_context_table.md"],
     "field_methods": ["table.md"],
     "formats": ["table.md"],
+    "frontier": [],  # no search committed yet: experiments/frontier/README.md has the commands that fill it
     "group_size": ["table.md"],
     "kivi_axis_table": ["table.md", "gemma3-270m/table.md", "paired.md"],  # paired.md: the noise floor beside each
     "kivi_residual": ["table.md"],
@@ -73,7 +74,8 @@ def test_the_tables_that_need_the_model_regenerate(study, monkeypatch):
     regenerate(study, MODEL_STUDIES[study], monkeypatch)
 
 
-@pytest.mark.parametrize("study", sorted(TABLES) + ["recompute"])  # recompute's rows need no model; its bytes do
+# recompute's rows need no model; its bytes do. frontier: no search committed yet, so no rows
+@pytest.mark.parametrize("study", sorted(set(TABLES) - {"frontier"}) + ["recompute"])
 def test_a_study_gives_its_rows_as_a_dataframe(study, monkeypatch):
     import pandas as pd
 

@@ -32,6 +32,7 @@ STUDIES: dict[str, str] = {  # study (its folder under experiments/) -> the modu
     "fidelity": f"{_PKG}.fidelity",
     "field_methods": f"{_PKG}.field_methods",
     "formats": PAPER,
+    "frontier": f"{_PKG}.frontier",  # its report per model (the search writes the same: kvq_lab/frontier/driver.py)
     "group_size": PAPER,
     "kivi_axis_table": f"{_PKG}.kivi_axis_table",
     "kivi_residual": PAPER,

@@ -1,0 +1,191 @@
+"""The frontier search (kvq_lab/frontier/): enumeration counts bits before anything runs, keeps what fits a budget and
+drops duplicates; the Pareto set, winners and Spearman on fixed inputs; the engine table's rows compose and name
+tests that exist; the cost plan and the max_minutes cut; bad settings in one line before a load; a stage rerun after
+a partial one runs only what is missing (the tiny random model)."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+from helpers_models import compose
+
+from kvq_lab.common.errors import ConfigError
+from kvq_lab.frontier import candidates as cands
+from kvq_lab.frontier.costs import Rate, StagePlan, cut, plan_text
+from kvq_lab.frontier.driver import Frontier, plain
+from kvq_lab.models.files import ModelFacts
+from kvq_lab.preflight import cache_config
+from kvq_lab.preflight import frontier as settings
+from kvq_lab.report import engines
+from kvq_lab.report import frontier as select
+
+REPO = Path(__file__).resolve().parents[2]
+FACTS = ModelFacts(layers=2, heads=4, kv_heads=2, head_dim=64, hidden=128, context=2048)  # tiny_llama's shape
+SOURCES = ["preset", "grid", "policy", "engine"]
+
+
+@pytest.fixture(scope="module")
+def base():
+    from conftest import DATA_DIR  # the data_dir fixture's folder (module scope: enumerate once)
+
+    c = plain(compose(["experiment=frontier", f"data_dir={DATA_DIR}"]))
+    c["frontier"] = {}
+    return c
+
+
+@pytest.fixture(scope="module")
+def enumerated(base):
+    return cands.enumerate_candidates(base, FACTS, [3.0, 4.5], SOURCES, 512)
+
+
+def test_bits_are_counted_before_any_run_as_a_run_counts_them(base, enumerated, tiny_model):
+    """Enumeration reads the shape only; its count is what the loaded model's cache reports."""
+    from kvq_lab.cache import QuantizedKVCache
+
+    found, _ = enumerated
+    by = {c.name: c for c in found}
+    assert by["2bit_KC_VT"].bits == pytest.approx(3.0)
+    assert by["llamacpp_q4_0"].bits == pytest.approx(4.5)
+    model = tiny_model
+    for name in ("2bit_KC_VT", "turboquant_mse_3b", "gear_2b", "mikv_int2_KC_VT", "nvfp4"):
+        if name not in by:
+            continue
+        cache = cache_config(cands.apply(base, by[name].overrides))
+        got = QuantizedKVCache.stored_bits(cache, 512, model)["cache/bits_total"]
+        extra = 8 / 512 if cache.key_outliers else 0.0  # fitted key thresholds, counted before the fit
+        assert by[name].bits == pytest.approx(got + extra, abs=1e-6), name
+
+
+def test_only_candidates_within_a_budget_are_kept_and_the_rest_are_named(enumerated):
+    found, notes = enumerated
+    assert found and all(c.budgets and c.bits <= max(c.budgets) + 1e-9 for c in found)
+    assert all(b >= c.bits - 1e-9 for c in found for b in c.budgets)
+    assert any("8bit_KC_VT" in n and "over every budget" in n for n in notes)
+    assert "fp16" not in {c.name for c in found}
+
+
+def test_the_same_cache_twice_is_one_candidate(enumerated):
+    found, _ = enumerated
+    by = {c.name: c for c in found}
+    assert "int_K2V2_KC_VT_G32" in by["2bit_KC_VT"].same_as  # the preset and its grid point: one cache
+    assert "int_K2V2_KC_VT_G32" not in by
+    labels = [c.label + str(c.overrides.get("policy")) for c in found]
+    assert len(labels) == len(set(labels))
+
+
+def test_the_cap_spans_the_sources(enumerated):
+    found, _ = enumerated
+    picked = cands.cap(found, 4, SOURCES)
+    assert [c.source for c in picked][:3] == SOURCES[:3]  # the engine rows here are presets already: one cache
+
+
+def test_searched_candidates_are_held_to_their_budget(base):
+    found, _ = cands.enumerate_candidates(base, FACTS, [4.5], ["search"], 512)
+    (c,) = found
+    assert not c.exact and c.bits == 4.5
+    assert c.overrides["precision"]["budget"] > 4.5  # the packed count adds the keys' fill buffer
+
+
+def test_pareto_frontier_and_within_noise_retention():
+    pts = [select.Point("a", 3.0, 0.30), select.Point("b", 3.5, 0.31), select.Point("c", 4.0, 0.10),
+           select.Point("d", 4.5, 0.20), select.Point("e", 5.0, 0.05)]  # fmt: skip
+    front, kept = select.pareto(pts)
+    assert front == ["a", "c", "e"] and kept == []
+    near = {("a", "b")}  # b is within noise of a; d is beaten by c beyond it
+    front, kept = select.pareto(pts, lambda d, c: (d.name, c.name) not in near)
+    assert front == ["a", "c", "e"] and kept == ["b"]
+    assert select.winners(pts, [3.0, 4.5]) == {3.0: ("a", None), 4.5: ("c", "d")}
+
+
+def test_paired_difference_and_best_per_band():
+    m, se, n = select.paired([0.0] * 32, [1.0 + (i % 2) * 0.1 for i in range(32)])
+    assert n == 32 and m == pytest.approx(1.05) and se == pytest.approx(0.0)
+    errors, bits = {"a": 0.3, "b": 0.1, "c": 0.2, "d": math.nan}, {"a": 3, "b": 4, "c": 3, "d": 3}
+    assert select.best_per_band(errors, bits, [3, 4], 2) == {3: ["c", "a"], 4: ["b", "c"]}
+
+
+def test_spearman_on_fixed_inputs():
+    from scipy.stats import spearmanr
+
+    assert select.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert select.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    x, y = [1, 2, 2, 3, 5, 4], [2, 1, 3, 3, 6, 5]
+    assert select.spearman(x, y) == pytest.approx(spearmanr(x, y).statistic)
+    assert math.isnan(select.spearman([1, 2], [1, 2]))
+    assert select.spread(list("abcdefg"), 3) == ["a", "d", "g"] and select.spread(list("ab"), "all") == ["a", "b"]
+
+
+def test_every_engine_row_composes_and_names_a_test_that_exists(base):
+    presets = dict(cands.presets())
+    for row in engines.ROWS:
+        assert row.match in (engines.SAME, engines.NEAREST), row
+        assert row.match == engines.SAME or row.difference, f"{row.setting}: a nearest row states the difference"
+        assert row.quant is None or row.quant in presets, row.quant
+        c = cands.apply(base, {**presets.get(row.quant, {}), **row.knobs})
+        cache_config(c).check_head_dim(64)
+        path, name = row.test.split("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), row.test
+
+
+def test_cost_plan_and_the_max_minutes_cut():
+    rate = Rate(10.0)
+    plan = [StagePlan("screen", 5, 2, rate), StagePlan("rank", 3, 1, Rate(40.0))]
+    text = plan_text(plan, 3)
+    assert "5 rows x 2 x 10.0 s (first guess) = 1.7 min" in text and "total    3.7 min" in text
+    rate.add(30.0, 6)
+    assert rate.measured and "5.0 s (measured)" in plan_text(plan, None)
+    assert cut([("a", 5.0), ("b", 1.0), ("c", 3.0)], 4.5) == (["b", "c"], ["a"])
+    assert cut([("a", 5.0)], None) == (["a"], [])
+
+
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        ({"budgets": [0]}, r"frontier.budgets=0 must be a number > 0"),
+        ({"budgets": [-3, 4]}, r"must be a number > 0"),
+        ({"max_candidates": 0}, r"frontier.max_candidates=0 must be an integer > 0.5"),
+        ({"budget": 3}, r"frontier.budget is not a frontier setting"),
+        ({"sources": ["magic"]}, r"frontier.sources"),
+    ],
+)
+def test_bad_settings_fail_in_one_line(given, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        settings.settings(given)
+    assert "\n" not in str(e.value)
+
+
+def test_a_budget_below_every_candidate_and_an_unknown_model_fail_before_any_load(data_dir, monkeypatch):
+    import kvq_lab.run.runner as runner
+
+    monkeypatch.setattr(runner, "get_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match=r"frontier.budgets: 1 is below the smallest candidate") as e:
+        Frontier(compose(["experiment=frontier", f"data_dir={data_dir}", "frontier.budgets=[1,4.5]"]))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="model.path"):
+        Frontier(compose(["experiment=frontier", f"data_dir={data_dir}", "model=hub", "model.path=/no/such/model"]))
+
+
+def test_a_partial_stage_runs_only_what_is_missing(tiny_model_dir, data_dir, tmp_path):
+    args = [
+        "experiment=frontier", "model=hub", f"model.path={tiny_model_dir}", "model.head_dim=null",
+        f"data_dir={data_dir}", f"results_dir={tmp_path}", "resume_dirty=true", "frontier.budgets=[4.5]",
+        "frontier.max_candidates=2", "frontier.stages=[screen]", "frontier.sources=[preset]",
+        "frontier.screen.prompts=1", "frontier.screen.tokens=32",
+    ]  # fmt: skip
+    f = Frontier(compose(args))
+    assert len(f.cands) == 2
+    f.screen(["screen"])
+    first = sorted((tmp_path / "runs").glob("*/record.json"))
+    assert len(first) == 2 and set(f.records("screen")) == set(f.cands)
+    kept, lost = first
+    import shutil
+
+    shutil.rmtree(lost.parent)  # a killed stage: one row's record never written
+    g = Frontier(compose(args))
+    g.screen(["screen"])
+    second = sorted((tmp_path / "runs").glob("*/record.json"))
+    assert len(second) == 2 and kept in second  # the finished row was not run again; the lost one was
+    assert set(g.records("screen")) == set(f.cands)
