@@ -3,6 +3,9 @@
 DATA ?= $(abspath ../shared/data)
 PY := .venv/bin/python
 ARGS ?=
+# one pytest worker per core (pytest-xdist); a worker takes the next test as it frees, so long tests do not queue.
+# PAR= runs in one process (a debugger, -x on the first failure in order)
+PAR ?= -n auto --dist worksteal
 # make check leaves out what make test still runs: the real model (`slow`), end-to-end runs in subprocesses
 # (test_run, test_faults, test_cache_tasks), the Triton interpreter and GPU compile, and the C kernel's build matrix
 CHECK := -m "not slow" \
@@ -18,10 +21,10 @@ run: setup
 	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) run.py $(ARGS)
 
 test: setup
-	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q $(ARGS)
+	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q $(PAR) $(ARGS)
 
 check: setup
-	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q -p no:cacheprovider $(CHECK) $(ARGS)
+	KVQ_DATA_DIR=$${KVQ_DATA_DIR:-$(DATA)} $(PY) -m pytest -q -p no:cacheprovider $(PAR) $(CHECK) $(ARGS)
 
 # the SLURM launcher on a local single-node cluster (scripts/slurm_local.sh; installs Debian's slurm-wlm): minutes
 test-slurm: setup

@@ -144,12 +144,16 @@ def test_transform_alone_leaves_attention_unchanged(tiny_model, mode, spelling, 
 
 
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernel.build_error() is None else [])
-if importlib.util.find_spec("triton") and os.environ.get("TRITON_INTERPRET") == "1":  # conftest sets it without CUDA
-    BACKENDS.append(pytest.param("triton", marks=pytest.mark.slow))  # the interpreter: seconds a case
+TRITON = importlib.util.find_spec("triton") and os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it, no CUDA
+# Triton under the interpreter (~15 s a case): each way a pipeline meets the kernel, folded around it (the first and
+# the last foldable spelling) or read by it (rope_pre); torch and cpu take every spelling
+TRITON_SPELLINGS = sorted({FOLDABLE[0], FOLDABLE[-1], "rope_pre"})
+FUSED_CASES = [(s, b) for s in SPELLINGS for b in BACKENDS] + [
+    pytest.param(s, "triton", marks=pytest.mark.slow) for s in TRITON_SPELLINGS if TRITON
+]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("spelling, backend", FUSED_CASES)
 def test_fused_decode_equals_materialized_decode(tiny_model, spelling, backend, monkeypatch):
     """Packed mode: the fused decode path (kvq_sdpa; a foldable transform maps the query and the output around the
     kernel, another comes undone in the view) gives the logits of attention over the materialized cache."""
