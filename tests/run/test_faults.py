@@ -396,11 +396,11 @@ def test_a_config_rejected_after_the_load_leaves_nothing(tiny_model_dir, data_di
     assert list((tmp_path / "res" / "runs").iterdir()) == []
 
 
-@pytest.mark.parametrize("command", ["kvq-lm-eval", "lm_eval"])
 @pytest.mark.parametrize(
-    "model_args, message",
-    [("bits=7", "bits=7 is not supported"), ("key_axis=head", "key_axis='head' is not allowed"),
-     ("pretrained=/nonexistent", "pretrained='/nonexistent' does not exist")],
+    "command, model_args, message",  # both entry points, each bad value through one of them
+    [("kvq-lm-eval", "bits=7", "bits=7 is not supported"),
+     ("lm_eval", "key_axis=head", "key_axis='head' is not allowed"),
+     ("kvq-lm-eval", "pretrained=/nonexistent", "pretrained='/nonexistent' does not exist")],
 )  # fmt: skip
 def test_bad_lm_eval_model_args_are_one_line_before_the_tasks_load(command, model_args, message, tmp_path):
     exe = Path(sys.executable).parent / command
