@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers_models import compose
 
 from kvq_lab.run.config import config_hash
@@ -33,6 +34,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_a_new_cache_knob_touches_at_most_three_files(tmp_path, data_dir):
     copy = tmp_path / "tree"
     for top in COPIED:

@@ -30,6 +30,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess:
 NAMES = ("tw_table", "tw_scale", "tw_task", "tw_maxabs", "tw_tiers")
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_every_registry_driven_matrix_covers_them():
     p = _pytest("--collect-only", *MATRICES)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -153,6 +153,7 @@ def test_calibration_settings_hash_only_where_used(data_dir):
     assert h("key_outliers=0.0") == h()
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch):
     """run.py with fitted methods: calibration once (the second run reads the disk cache), every stored bit counted."""
     from kvq_lab.run.runner import run
@@ -172,6 +173,7 @@ def test_methods_run_end_to_end(tiny_model_dir, data_dir, tmp_path, monkeypatch)
     assert Path(tmp_path / "runs").is_dir()
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_methods_experiment_rows_validate(data_dir):
     """Every row of conf/experiment/methods.yaml validates for both of its tasks, and the rows are distinct caches."""
     from kvq_lab.run.config import validate
@@ -209,6 +211,7 @@ def test_calibration_on_smollm2(smol, tmp_path, monkeypatch, data_dir):
     assert torch.isfinite(a).all() and a.argmax() == b.argmax()
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_lm_eval_kvq_model_calibrates_fitted_methods(tiny_model_dir, tmp_path, monkeypatch, data_dir):
     """lm-eval's `--model kvq` fits what run.py fits (calibration's defaults, GSM8K train from $KVQ_DATA_DIR): a
     fitted method never runs with unfitted parameters there either."""

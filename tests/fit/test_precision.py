@@ -88,6 +88,7 @@ def model3(tok):
                            ("packed", 32, 4, "post", "head"), ("packed", 32, 4, "pre", "head"),
                            ("simulated", 0, 0, "post", "head")],
 )  # fmt: skip
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R, S, rope, unit):
     """The searched cache, filled with `tokens` tokens in packed mode, stores at most the budget in bits per K/V
     element by its own nbytes(); the search's count equals nbytes() exactly (rope=pre: its position ids held once
@@ -120,6 +121,7 @@ def test_budget_holds_as_nbytes_counts(model3, tok, data_dir, tmp_path, mode, R,
 
 
 @pytest.mark.parametrize("unit", ["layer", "head"])
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_saved_file_reproduces_the_metrics(tiny_model_dir, tmp_path, data_dir, unit):
     from kvq_lab.run.runner import run
 

@@ -267,6 +267,7 @@ def _spy_updates(cache: QuantizedKVCache) -> dict[int, tuple[torch.Tensor, torch
 
 @pytest.mark.parametrize("key_axis", ["channel", "token"])
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_packed_stores_what_simulated_stores(name, key_axis):
     """Where both modes quantize the same tokens with the same groups they hold the same bits: 2-bit, R = 0, per-token
     values everywhere and per-channel keys on whole groups. Through the model that is the first layer only: simulated
@@ -371,6 +372,7 @@ def test_probes_recompute_each_layers_own_attention(name):
     assert all((res.tables[q]["rel_fro"] == 0).all() for q in ERROR_QUANTITIES)
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_what_a_models_files_say_it_cannot_do_is_refused_before_load(data_dir):
     """A base model's GGUF has no chat template (retrieval and behavior prompt through one), and Gemma 3's RoPE differs
     between layer types (rope=pre does not model that yet): both refused in one line from the files, before any load."""

@@ -288,6 +288,7 @@ def _compose(*overrides):
     return compose(list(overrides))
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_task_probe_end_to_end(tiny_model_dir, tmp_path):
     from kvq_lab.run.runner import run
 

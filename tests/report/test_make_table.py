@@ -65,6 +65,7 @@ def test_paper_values_for_kivi_rows():
     assert row_name({**cfg, "mode": "simulated", "key_bits": 3, "rope": "pre"}) == "K3/V2bit (K-C, V-T), pre-RoPE keys"
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_cli_prints_and_writes_table_and_png(tmp_path):
     results = axis_table_results(tmp_path / "results")
     out = tmp_path / "out"

@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from helpers_records import axis_table_results
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "kivi_axis_table.ipynb"
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     results = axis_table_results(tmp_path / "results")
     monkeypatch.setenv("KVQ_RESULTS_DIR", str(results))

@@ -76,6 +76,7 @@ def test_a_misspelled_preset_fails_instead_of_running_the_defaults(group):
         compose([f"{group}=no_such_preset"])
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_every_config_composes(data_dir, tmp_path):
     """Every option of every config group composes against the schema and validates, given what it needs
     (`calibration=file` a text, `precision=search` a budget); `precision=file` without its file refuses in one line
@@ -118,6 +119,7 @@ def test_every_config_composes(data_dir, tmp_path):
         (["key_axs=channel"], "key_axs"),
     ],
 )
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_cli_fails_fast_without_traceback(args, needle, tmp_path):
     p, dt = run_cli(*args, f"results_dir={tmp_path}")
     assert p.returncode != 0
@@ -127,6 +129,7 @@ def test_cli_fails_fast_without_traceback(args, needle, tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing ran
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_cli_our_errors_are_one_line(tmp_path):
     p, _ = run_cli("value_axis=head", f"results_dir={tmp_path}")
     assert p.returncode == 2

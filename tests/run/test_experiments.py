@@ -42,6 +42,7 @@ def rows(name: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_every_row_validates_on_the_default_model(name, data_dir):
     for row in rows(name):
         plan = validate(compose([f"experiment={name}", *row, f"data_dir={data_dir}"]))
@@ -49,6 +50,7 @@ def test_every_row_validates_on_the_default_model(name, data_dir):
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_a_row_runs_in_the_debug_setting(name, tiny_model_dir, data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path / "fits"))
     row = rows(name)[-1]  # the last row: the most quantized one in most studies

@@ -79,6 +79,7 @@ def test_format_run_validates(data_dir):
     assert plan.cache.label() == "Kfp8e4m3-C32_Vfp8e4m3-T32_pac_R32"
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_cli_names_both_knobs_in_one_line(tmp_path):
     from helpers_models import run_cli
 

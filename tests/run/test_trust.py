@@ -259,6 +259,7 @@ def _bad_inputs(tmp: Path, data_dir: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_every_bad_input_fails_before_load_with_one_line(data_dir, tmp_path, monkeypatch):
     import kvq_lab.models.loading as models
 

@@ -64,6 +64,7 @@ def test_task_yaml_is_lm_evals_own_but_the_data_source(ours, theirs, data_keys):
     assert a == b
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_gsm8k_local_data_and_5_shot_prompt(data_dir, monkeypatch):
     from lm_eval.tasks import TaskManager, get_task_dict
 
@@ -76,6 +77,7 @@ def test_gsm8k_local_data_and_5_shot_prompt(data_dir, monkeypatch):
     assert prompt.count("#### ") == 5  # the shots carry full worked answers from train
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_truthfulqa_local_data_matches_the_hub_layout(data_dir, monkeypatch):
     import importlib.util
 
