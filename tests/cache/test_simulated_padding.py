@@ -144,6 +144,7 @@ def test_padded_batch_generates_what_each_prompt_generates_alone(tiny_model, kax
         assert torch.equal(out[b], greedy(tiny_model, cfg, p[None])[0]), b
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_quantization_changes_the_generations_compared(tiny_model):
     """The test above is not vacuous: on the same prompts, 2-bit fake quant generates other tokens than 16 bits."""
     g = torch.Generator().manual_seed(5)

@@ -408,6 +408,7 @@ def test_bench_step_orders_are_balanced(monkeypatch, n):
     assert n == 1 or all(a != b for a, b in zip(stream, stream[1:], strict=False))
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_bench_cache_json_schema(tiny_model_dir, tmp_path, capsys, monkeypatch):
     """`scripts/bench_cache.py --json` on a tiny model: {"rows": [...]} with the code version and the arguments, the
     issue's keys exactly, every setting's DynamicCache at ratio 1, the default rows present (rope=pre, bf16, a

@@ -332,6 +332,7 @@ def test_bad_transform_settings_fail_in_one_line_before_load(overrides, message,
     [["mode=packed", "exact_window=32", "backend=torch"], ["mode=simulated", "probe=true"]],
     ids=["packed", "simulated+probe"],
 )
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_key_transform_hadamard_runs(tiny_model_dir, data_dir, tmp_path, extra):
     from kvq_lab.run.runner import run
 

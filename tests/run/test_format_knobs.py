@@ -66,6 +66,7 @@ def test_labels_are_unchanged_for_int_and_name_other_formats():
     assert lut.short().startswith("lut2b.") and lut.short() != QuantSpec(2, 32, "token", "lut").short()
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_hash_follows_the_cache(data_dir):
     h = lambda *o: config_hash(compose([*o, f"data_dir={data_dir}"]))  # noqa: E731
     assert h() == h("format=int") == h("key_format=int", "value_format=int") == h("key_bits=2", "value_bits=2")

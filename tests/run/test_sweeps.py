@@ -40,6 +40,7 @@ def test_records_of_one_second_load_in_the_order_they_started(tmp_path):
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_rerun_skips_done_rows_and_runs_missing_ones(tiny_model_dir, data_dir, tmp_path):
     base = tiny_args(tiny_model_dir, tmp_path, data_dir)
     first = [run(compose(base + [row])) for row in ROWS]

@@ -168,6 +168,7 @@ def test_nan_logits_in_ppl_name_the_step(tiny_model_dir, data_dir, tmp_path):
     assert rec["status"] == "failed" and "step 0" in rec["error"]
 
 
+@pytest.mark.slow  # seconds (make check leaves it to make test)
 def test_nan_in_the_cache_names_the_layer_in_ppl_and_generation(tiny_model_dir, data_dir, tmp_path):
     bad = poisoned_model_dir(tiny_model_dir, tmp_path / "nan-k", "k_proj")
     with pytest.raises(RunFailed, match=r"NonFiniteError: non-finite value .* at layer 1, step 0"):
