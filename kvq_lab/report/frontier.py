@@ -2,13 +2,12 @@
 inputs; `kvq_lab.frontier.driver` and the frontier study read them).
 
     best_per_band      screening: the `keep` lowest screen errors among the candidates under each budget
-    paired             KL of b minus a, paired over decode positions, standard error from 16 blocks of consecutive
-                       positions (neighbouring positions correlate; as experiments/field_methods pairs them)
     pareto             stored bits vs KL: the points nothing cheaper beats, and the others kept because no frontier
                        point beats them beyond the noise floor (`kvq_lab.report.noise.beyond`)
     winners            per budget the lowest-KL candidate under it, and its margin over the runner-up
     spearman           rank correlation (average ranks for ties) of two lists
     spread             an evenly spaced subset (the screened candidates also ranked for the correlations)
+KL is paired over decode positions by `kvq_lab.report.rows.block_paired`, as experiments/field_methods pairs it.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-BLOCKS = 16
 
 
 def best_per_band(
@@ -30,18 +27,6 @@ def best_per_band(
         inside.sort(key=lambda n: (math.isnan(errors[n]), errors[n], bits[n], n))
         out[b] = inside[:keep]
     return out
-
-
-def paired(a: Sequence[float], b: Sequence[float], blocks: int = BLOCKS) -> tuple[float, float, int]:
-    """(mean of b - a, its standard error from `blocks` blocks of consecutive positions, positions)."""
-    d = [y - x for x, y in zip(a, b, strict=True)]
-    n = len(d) // blocks
-    if n == 0:
-        raise ValueError(f"{len(d)} positions cannot make {blocks} blocks")
-    means = [sum(d[i * n : (i + 1) * n]) / n for i in range(blocks)]
-    m = sum(means) / blocks
-    se = math.sqrt(sum((v - m) ** 2 for v in means) / (blocks - 1) / blocks)
-    return sum(d) / len(d), se, len(d)
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,20 @@ def mean_se(x: list[float]) -> tuple[float, float]:
     return m, se
 
 
+def block_paired(a: list[float], b: list[float], blocks: int = 16) -> tuple[float, float, int]:
+    """Per-position values of two runs (e.g. KL over decode positions) -> (mean of b - a, its standard error from
+    `blocks` blocks of consecutive positions, positions): neighbouring positions correlate, so blocks, not positions,
+    are the independent samples."""
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    n = len(d) // blocks
+    if n == 0:
+        raise ValueError(f"{len(d)} positions cannot make {blocks} blocks")
+    means = [sum(d[i * n : (i + 1) * n]) / n for i in range(blocks)]
+    m = sum(means) / blocks
+    se = math.sqrt(sum((v - m) ** 2 for v in means) / (blocks - 1) / blocks)
+    return sum(d) / len(d), se, len(d)
+
+
 def paired_difference(a: dict, b: dict) -> tuple[float, float, int]:
     """Per-document scores of two runs (doc_id -> score) -> (mean of b - a over the documents both scored, its
     standard error, how many). Pairing cancels the spread between documents (easy and hard questions), which

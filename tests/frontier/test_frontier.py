@@ -21,6 +21,7 @@ from kvq_lab.preflight import cache_config
 from kvq_lab.preflight import frontier as settings
 from kvq_lab.report import engines
 from kvq_lab.report import frontier as select
+from kvq_lab.report.rows import block_paired
 
 REPO = Path(__file__).resolve().parents[2]
 FACTS = ModelFacts(layers=2, heads=4, kv_heads=2, head_dim=64, hidden=128, context=2048)  # tiny_llama's shape
@@ -101,7 +102,7 @@ def test_pareto_frontier_and_within_noise_retention():
 
 
 def test_paired_difference_and_best_per_band():
-    m, se, n = select.paired([0.0] * 32, [1.0 + (i % 2) * 0.1 for i in range(32)])
+    m, se, n = block_paired([0.0] * 32, [1.0 + (i % 2) * 0.1 for i in range(32)])
     assert n == 32 and m == pytest.approx(1.05) and se == pytest.approx(0.0)
     errors, bits = {"a": 0.3, "b": 0.1, "c": 0.2, "d": math.nan}, {"a": 3, "b": 4, "c": 3, "d": 3}
     assert select.best_per_band(errors, bits, [3, 4], 2) == {3: ["c", "a"], 4: ["b", "c"]}

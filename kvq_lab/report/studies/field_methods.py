@@ -12,16 +12,16 @@ table.md and pareto.png here.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
+from kvq_lab.report.frontier import Point, pareto
+from kvq_lab.report.rows import block_paired
 from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import read
 
 MODELS = ("smollm2-135m",)
 
 BASELINE = "K2b-C32_V2b-T32_sim"  # KIVI int2 K-C/V-T: the row every KL difference is paired against
-BLOCKS = 16
 
 NAMES = {  # cache label -> the row's name
     "K16b_V16b_sim": "16-bit",
@@ -87,16 +87,6 @@ QUESTIONS = {  # question -> (a, b) pairs: b minus a
 def records(folder: Path) -> list[dict]:
     """Every completed record of the study's model made from a clean tree, oldest first."""
     return read(folder, MODELS, clean=True)
-
-
-def block_paired(a: list[float], b: list[float]) -> tuple[float, float, int]:
-    """Mean of b - a over positions, and its standard error from BLOCKS blocks of consecutive positions."""
-    d = [y - x for x, y in zip(a, b, strict=True)]
-    n = len(d) // BLOCKS
-    means = [sum(d[i * n : (i + 1) * n]) / n for i in range(BLOCKS)]
-    m = sum(means) / BLOCKS
-    se = math.sqrt(sum((v - m) ** 2 for v in means) / (BLOCKS - 1) / BLOCKS)
-    return sum(d) / len(d), se, len(d)
 
 
 def collect(recs: list[dict]) -> dict[str, dict]:
@@ -171,11 +161,8 @@ def figure(recs: list[dict], folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     pts = sorted((row["total"], row["kl"], label) for label, row in rows.items() if "kl" in row and row["total"] < 16)
-    frontier, best = [], math.inf
-    for bits, kl, _label in pts:  # lowest KL so far, scanning up in bits: the points nothing cheaper beats
-        if kl < best:
-            frontier.append((bits, kl))
-            best = kl
+    front, _ = pareto([Point(label, bits, kl) for bits, kl, label in pts])  # the points nothing cheaper beats
+    frontier = [(bits, kl) for bits, kl, label in pts if label in front]
     fig, ax = plt.subplots(figsize=(9, 5.5))
     for bits, kl, label in pts:
         ax.scatter(bits, kl, s=18, color="C0" if (bits, kl) in frontier else "C7")

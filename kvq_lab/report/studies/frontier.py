@@ -19,6 +19,7 @@ from typing import Any
 
 from kvq_lab.report import frontier as select
 from kvq_lab.report.noise import Floor, beyond, rerun_changes
+from kvq_lab.report.rows import block_paired
 from kvq_lab.report.studies.frame import frame
 from kvq_lab.report.study import model_of, read
 
@@ -40,7 +41,7 @@ def _floor(base: dict, rerun: dict) -> Floor:
         changes = tuple(rerun_changes(base, rerun))
     except ValueError as e:
         changes = (str(e),)
-    d, se, n = select.paired(_pos(base), _pos(rerun))
+    d, se, n = block_paired(_pos(base), _pos(rerun))
     a, b = (r["artifacts"]["fidelity_by_position"]["top1_agree"] for r in (base, rerun))
     return Floor(d, se, n, sum(x != y for x, y in zip(a, b, strict=True)), changes)
 
@@ -62,7 +63,7 @@ def analyse(plan: dict, screen: dict, rank: dict, confirm: dict) -> dict[str, An
     pts = [select.Point(n, cands[n]["bits"], r["metrics"]["fidelity/kl_mean"]) for n, r in ranked.items()]
 
     def gap(d: select.Point, c: select.Point) -> tuple[float, float]:
-        m, se, _ = select.paired(_pos(ranked[d.name]), _pos(ranked[c.name]))
+        m, se, _ = block_paired(_pos(ranked[d.name]), _pos(ranked[c.name]))
         return m, se
 
     def beats(d, c) -> bool:
