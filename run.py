@@ -30,15 +30,14 @@ def main(cfg: DictConfig) -> float | None:
     from kvq_lab.run import slurm_job, sweep
     from kvq_lab.run.runner import RecordNotWritten, RunFailed, RunInterrupted, run
 
+    logging.getLogger("kvq_lab").setLevel(logging.INFO)
     if cfg.get("frontier"):  # experiment=frontier: one driver runs its stages, each row an ordinary run
         from kvq_lab.frontier.driver import main as frontier
 
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             print("error: experiment=frontier runs its own stages; run it without -m", file=sys.stderr)
             sys.exit(2)
-        logging.getLogger("kvq_lab").setLevel(logging.INFO)
         sys.exit(frontier(cfg))
-    logging.getLogger("kvq_lab").setLevel(logging.INFO)
     for noisy in ("lm_eval", "lm_eval.models.huggingface", "lm_eval.tasks._index", "lm_eval.api.task"):
         logging.getLogger(noisy).setLevel(logging.ERROR)  # progress bars remain; config chatter goes
     hc = HydraConfig.get()

@@ -218,8 +218,9 @@ def config_hash(cfg, cache: CacheConfig | None = None) -> str:
     from kvq_lab.fit.calibration_settings import needs_calibration
 
     precision = precision_settings.hash_part(c.get("precision"))  # per-layer bits by content; uniform: left out
-    c.pop("frontier", None)  # the search's own settings: its rows run without them (kvq_lab.frontier)
-    for k in (*WHERE, *CACHE_KNOBS, "precision"):
+    # where the run is written, the cache knobs (the cache is hashed below, as built), precision (by content, above),
+    # the search's own settings (its rows run without them)
+    for k in (*WHERE, *CACHE_KNOBS, "precision", "frontier"):
         c.pop(k, None)
     noise = parse_noise(c.pop("noise", None))  # added after records existed: hashed only when a rerun is perturbed
     if noise != "none":
