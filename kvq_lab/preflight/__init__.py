@@ -244,8 +244,7 @@ def task_inputs(p: Pending) -> None:
 
 
 def positions(p: Pending) -> None:
-    """The task's longest sequence against the model's context: before the task's text is read and tokenized
-    (`task_inputs`), the cheaper check and the more basic reason."""
+    """The task's longest sequence against the model's context."""
     p.task.check_positions(p.run.task, p.facts.context if p.facts is not None else None, f"model={p.model}")
 
 
@@ -285,7 +284,7 @@ def backend(p: Pending) -> None:
 RUN: tuple[Check, ...] = (
     renamed, known_keys, cache, device, dtype, precision, calibration, run_values, search_settings, logger, probes,
     task,
-    source, facts, layers, features, recompute, run_config, positions, task_inputs, prompt, model_files, backend,
+    source, facts, layers, features, recompute, run_config, task_inputs, positions, prompt, model_files, backend,
 )  # fmt: skip
 # lm-eval's `kvq` model: no run settings, no task (lm-eval's own), no fit settings (calibration's defaults)
 LMEVAL: tuple[Check, ...] = (renamed, cache, device, dtype, source, facts, layers, recompute, model_files, backend)
