@@ -154,8 +154,8 @@ class LmEvalAnyTask(Task):
     options = ("name", "tasks", "num_fewshot", "include_path")
     limit_unit = "documents per task"
 
-    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
-        super().check(cfg, data_dir)
+    def check_options(self, cfg: RunConfig) -> None:
+        super().check_options(cfg)
         t = cfg.task
         names = _names(t.get("tasks"))
         if not names:
@@ -168,10 +168,15 @@ class LmEvalAnyTask(Task):
         inc = t.get("include_path")
         if inc is not None and not isinstance(inc, (str, list, tuple)):
             raise ConfigError(f"task.include_path={inc!r} must be a folder or a list of folders")
+
+    def check_data(self, cfg: RunConfig, data_dir: Path | None) -> None:
+        """The named tasks exist in lm-eval (or under task.include_path): lm-eval's task index, read here."""
+        super().check_data(cfg, data_dir)
         from .evaluate import check_tasks
 
+        t = cfg.task
         try:
-            check_tasks(names, _paths(inc))
+            check_tasks(_names(t.get("tasks")), _paths(t.get("include_path")))
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -238,9 +238,14 @@ def run_config(p: Pending) -> None:
     )
 
 
+def task_options(p: Pending) -> None:
+    """The task's options, read by `positions` next; no file is read."""
+    p.task.check_options(p.run)
+
+
 def task_inputs(p: Pending) -> None:
-    """The task's options, its data files parsed and counted, `limit` against what they hold."""
-    p.task.check(p.run, p.data_dir)
+    """The task's data files parsed and counted (a text tokenized), `limit` against what they hold."""
+    p.task.check_data(p.run, p.data_dir)
 
 
 def positions(p: Pending) -> None:
@@ -283,8 +288,8 @@ def backend(p: Pending) -> None:
 
 RUN: tuple[Check, ...] = (
     renamed, known_keys, cache, device, dtype, precision, calibration, run_values, search_settings, logger, probes,
-    task,
-    source, facts, layers, features, recompute, run_config, task_inputs, positions, prompt, model_files, backend,
+    task, source, facts, layers, features, recompute, run_config, task_options, positions, task_inputs, prompt,
+    model_files, backend,
 )  # fmt: skip
 # lm-eval's `kvq` model: no run settings, no task (lm-eval's own), no fit settings (calibration's defaults)
 LMEVAL: tuple[Check, ...] = (renamed, cache, device, dtype, source, facts, layers, recompute, model_files, backend)

@@ -1,7 +1,8 @@
 """Task registry: what `task=<name>` runs.
 
-A task checks its inputs cheaply (`check`, before any model load: its options, its data files parsed and counted,
-`limit` against what the data holds), says what its numbers are computed from (`inputs`: content hashes of the
+A task checks its inputs cheaply, before any model load: its options (`check_options`), then, after its longest
+sequence is held against the model's positions (`positions`), its data files parsed and counted and `limit` against
+what the data holds (`check_data`), says what its numbers are computed from (`inputs`: content hashes of the
 files it reads, or the hub datasets it would download), and produces flat metrics (`run`).
 
 Adding a task: one module in this package that defines a `Task` subclass (with its `headline` metrics for the
@@ -131,7 +132,7 @@ class Task:
     def positions(self, task_cfg) -> tuple[int, str] | None:
         """The most tokens one sequence of this run holds (prompt and generated or scored tokens) and the settings
         that make it, e.g. (9512, "task.context_tokens + task.eval_tokens = 9000 + 512"); None where the options do
-        not bound it (lm-eval's tasks: their prompts are cut to lm-eval's max_length). Read after `check` has
+        not bound it (lm-eval's tasks: their prompts are cut to lm-eval's max_length). Read after `check_options` has
         validated the options."""
         return None
 
@@ -162,12 +163,18 @@ class Task:
         `prefill` say."""
         return "exact" if cache.exact_prefill else "quantized"
 
-    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
+    def check_options(self, cfg: RunConfig) -> None:
+        """The task.* options (and `limit` where the options bound it), without reading any file: run before
+        `positions`, which reads them, and before `check_data`. Subclasses extend it."""
         unknown = sorted(set(cfg.task.keys()) - set(self.options))
         if unknown:
             raise ConfigError(
                 f"task.{unknown[0]} is not an option of task={self.name}; its options: {', '.join(self.options)}"
             )
+
+    def check_data(self, cfg: RunConfig, data_dir: Path | None) -> None:
+        """The task's inputs, after `check_options` and the model's positions: its data files parsed and counted,
+        `limit` against what they hold. Subclasses extend it (e.g. a text tokenized against the windows)."""
         if data_dir is None:
             return
         rows = {f.rel: read_data_file(data_dir, f)[0] for f in self.data_files(cfg.task)}

@@ -243,25 +243,28 @@ class BehaviorTask(Task):
     data = (ADVBENCH, TRUTHFULQA)
     limit_unit = "prompts per set"
 
-    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
+    def check_options(self, cfg: RunConfig) -> None:
+        super().check_options(cfg)
+        t = cfg.task
+        for key in ("harmful", "neutral", "max_new_tokens"):
+            v = t.get(key)
+            lo = 1 if key == "max_new_tokens" else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ConfigError(f"task.{key}={v!r} must be an integer >= {lo}")
+        if t.harmful + t.neutral == 0:
+            raise ConfigError("task.harmful=0 and task.neutral=0 leave no prompts; set at least one above 0")
+
+    def check_data(self, cfg: RunConfig, data_dir: Path | None) -> None:
         if data_dir is None:
             raise ConfigError(
                 "task=behavior reads AdvBench and TruthfulQA from the data folder; set data_dir= or KVQ_DATA_DIR "
                 "(e.g. ../shared/data)"
             )
-        super().check(cfg, data_dir)
-        t = cfg.task
-        for key, f in (("harmful", ADVBENCH), ("neutral", TRUTHFULQA), ("max_new_tokens", None)):
-            v = t.get(key)
-            lo = 1 if key == "max_new_tokens" else 0
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"task.{key}={v!r} must be an integer >= {lo}")
-            if f is not None:
-                have = len(read_data_file(data_dir, f)[0])
-                if v > have:
-                    raise ConfigError(f"task.{key}={v} but {f.rel} has {have} rows; use task.{key}<={have}")
-        if t.harmful + t.neutral == 0:
-            raise ConfigError("task.harmful=0 and task.neutral=0 leave no prompts; set at least one above 0")
+        super().check_data(cfg, data_dir)
+        for key, f in (("harmful", ADVBENCH), ("neutral", TRUTHFULQA)):
+            v, have = cfg.task.get(key), len(read_data_file(data_dir, f)[0])
+            if v > have:
+                raise ConfigError(f"task.{key}={v} but {f.rel} has {have} rows; use task.{key}<={have}")
 
     def inputs(self, cfg: RunConfig, data_dir: Path | None) -> dict[str, Any]:
         return {"source": "local", "files": {f.rel: read_data_file(data_dir, f)[1] for f in self.data}}

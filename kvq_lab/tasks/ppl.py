@@ -35,17 +35,23 @@ class PplTask(Task):
     limit_unit = "windows"
     headline = (Metric("ppl/ppl", "decode ppl", "lower"),)
 
-    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
+    def check_options(self, cfg: RunConfig) -> None:
         from kvq_lab.tasks.decode import check_options
 
-        super().check(cfg, None)  # the options; the data files read are the source's (below)
-        protocol = cfg.task.get("protocol")
+        super().check_options(cfg)
+        t = cfg.task
+        protocol = t.get("protocol")
         if protocol not in PROTOCOLS:
             raise ConfigError(f"task.protocol={protocol!r}; choose one of: {', '.join(PROTOCOLS)}")
         try:
-            check_options(cfg.task)
+            check_options(t)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if protocol == "chunks":
+            _check_chunk_options(t)
+
+    def check_data(self, cfg: RunConfig, data_dir: Path | None) -> None:
+        """The source's files (not the default source's `data`), and the text long enough for the windows."""
         if data_dir is not None:
             for f in source_files(cfg.task):
                 read_data_file(data_dir, f)
@@ -99,13 +105,19 @@ class PplTask(Task):
         return run_ppl(ctx)
 
 
-def _check_chunks(t, n: int | None, limit) -> None:
-    """task.protocol=chunks: n_ctx and chunks, and a text of at least 2 * n_ctx tokens (llama.cpp's own bound)."""
+def _check_chunk_options(t) -> None:
+    """task.protocol=chunks: n_ctx and chunks."""
     n_ctx, chunks = t.get("n_ctx"), t.get("chunks")
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < MIN_N_CTX:
         raise ConfigError(f"task.n_ctx={n_ctx!r} must be an integer >= {MIN_N_CTX} (tokens per chunk)")
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ConfigError(f"task.chunks={chunks!r} must be an integer >= 1, or null (all the text holds)")
+
+
+def _check_chunks(t, n: int | None, limit) -> None:
+    """task.protocol=chunks (options checked): a text of at least 2 * n_ctx tokens (llama.cpp's own bound), and the
+    chunks asked for."""
+    n_ctx, chunks = t.get("n_ctx"), t.get("chunks")
     if n is not None and n < 2 * n_ctx:
         raise ConfigError(
             f"task.protocol=chunks: the source text ({_describe(t)}) has {n} tokens; llama.cpp's protocol needs at "

@@ -84,7 +84,7 @@ class ProbeTask(Task):
     def count_docs(self, rows):
         return len(rows[COQA_DATA.rel]) if COQA_DATA.rel in rows else None  # source=gsm8k: no bound
 
-    def check(self, cfg, data_dir):
+    def check_options(self, cfg):
         try:
             s = _settings(cfg.task)
         except (TypeError, ValueError) as e:
@@ -93,7 +93,11 @@ class ProbeTask(Task):
             raise ConfigError(
                 f"task.source={s.source!r} is not a probe prompt source; choose one of: {', '.join(SOURCES)}"
             )
-        super().check(cfg, data_dir)  # the options, and the source's files present and parseable
+        super().check_options(cfg)
+
+    def check_data(self, cfg, data_dir):
+        super().check_data(cfg, data_dir)  # the source's files present and parseable
+        s = _settings(cfg.task)
         n = len(_coqa_docs(data_dir, 10**9)) if data_dir is not None and s.source == "coqa" else None
         if n is not None and s.n_prompts > n:
             raise ConfigError(f"task.n_prompts={s.n_prompts} but data_dir={data_dir} has {n} CoQA stories; use <= {n}")

@@ -304,8 +304,8 @@ class RetrievalTask(Task):
     def uses_chat(self, task_cfg) -> bool:
         return task_cfg.get("prompt", DEFAULT_PROMPT) == "chat"
 
-    def check(self, cfg: RunConfig, data_dir: Path | None) -> None:
-        super().check(cfg, data_dir)
+    def check_options(self, cfg: RunConfig) -> None:
+        super().check_options(cfg)
         t = cfg.task
         if t.get("kind") not in KINDS:
             raise ConfigError(f"task.kind={t.get('kind')!r}; choose one of: {', '.join(KINDS)}")

@@ -18,7 +18,7 @@ def test_lm_eval_runs_the_run_checks_in_their_order():
     assert order == sorted(order)
     assert {c.__name__ for c in preflight.RUN} - {c.__name__ for c in preflight.LMEVAL} == {
         "known_keys", "precision", "calibration", "run_values", "search_settings", "logger", "probes", "task",
-        "features", "run_config", "task_inputs", "positions", "prompt",
+        "features", "run_config", "task_options", "positions", "task_inputs", "prompt",
     }  # fmt: skip
 
 

@@ -53,6 +53,9 @@ def test_a_task_with_bounded_sequences_refuses_one_past_the_models_positions(nam
 SMOLLM2_TOO_LONG = [
     (["task=ppl", "task.source=gsm8k", "task.context_tokens=9000", "task.windows=1"], "9000 \\+ 512 = 9512"),
     (["task=fidelity", "task.source=gsm8k", "task.protocol=chunks", "task.n_ctx=16384"], "task.n_ctx = 16384"),
+    # on the default text (CoQA's stories), shorter than either: the positions are refused before the text is read
+    (["task=ppl", "task.context_tokens=9000", "task.windows=1"], "9000 \\+ 512 = 9512"),
+    (["task=fidelity", "task.protocol=chunks", "task.n_ctx=16384"], "task.n_ctx = 16384"),
     (["task=fidelity", "task.source=gsm8k", "task.context_tokens=8000", "task.windows=1"], "8000 \\+ 512 = 8512"),
     (["task=retrieval", "task.context_tokens=9000"], "task.context_tokens = 9000"),
     (["task=probe", "task.max_tokens=16384"], "task.max_tokens = 16384"),
