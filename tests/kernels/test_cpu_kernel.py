@@ -70,15 +70,22 @@ def test_kernel_matches_the_pytorch_path(case):
     assert err_kernel <= 2 * err_torch + 1e-6, (err_kernel, err_torch)
 
 
-def portable_build(monkeypatch, tmp_path) -> None:
-    """Make the next kernel call build and load `-DKVQ_PORTABLE` (plain C, no x86 intrinsics) into tmp_path."""
-    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+@pytest.fixture(scope="module")
+def portable_dir(tmp_path_factory):
+    """One kernel cache for this module's portable builds: the first test to ask builds (~7 s), the others load it."""
+    return tmp_path_factory.mktemp("portable")
+
+
+def portable_build(monkeypatch, where) -> None:
+    """Make the next kernel call build (or load, if built there before) `-DKVQ_PORTABLE` (plain C, no x86
+    intrinsics) in `where`."""
+    monkeypatch.setenv("KVQ_KERNEL_CACHE", str(where))
     monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-DKVQ_PORTABLE")
     monkeypatch.setattr(cpu_build, "_LIB", None)
     monkeypatch.setattr(cpu_build, "_ERROR", None)
 
 
-def test_portable_build_matches(monkeypatch, tmp_path):
+def test_portable_build_matches(monkeypatch, portable_dir):
     """The plain-C fp16 conversion (what a CPU without F16C, or a build without -march=native, uses) gives the
     same outputs as the default build: fp16 -> fp32 is exact both ways, subnormals and negative zero included."""
     layer = _layer("token", "channel", 2, 3, 1, 32, 32)  # per-token keys: one conversion per group per row
@@ -88,9 +95,9 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     layer.update(k, v)
     q = torch.randn(1, 4, 1, 64)
     default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
-    portable_build(monkeypatch, tmp_path)
+    portable_build(monkeypatch, portable_dir)
     portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
-    assert len(list(tmp_path.glob("cpu_kernel-*.so"))) == 1
+    assert len(list(portable_dir.glob("cpu_kernel-*.so"))) == 1
     assert torch.equal(portable, default)
     assert bool((layer.k_stream.store.scale.float().abs() < 6.1e-5).any())  # subnormals were really there
 
@@ -105,7 +112,7 @@ def test_portable_build_matches(monkeypatch, tmp_path):
     # 5-bit codes: 40-bit words of 5 bytes, 32-entry tables (the scalar lookup in both builds)
     (QuantSpec(5, 32, "channel", "q5_1"), QuantSpec(5, 32, "token", "q5_0"), 64),
 ])  # fmt: skip
-def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, value, D):
+def test_portable_build_matches_for_table_formats(monkeypatch, portable_dir, key, value, D):
     """The vector paths for formats with a table (fp8 values computed from the code bits, small tables looked up by
     lane permutes, 16 or 8 channels at a time) give exactly the portable build's scalar lookups, negative zero and
     subnormal codes included."""
@@ -119,7 +126,7 @@ def test_portable_build_matches_for_table_formats(monkeypatch, tmp_path, key, va
     q = torch.randn(1, 4, 1, D, generator=g)
     assert cpu_kernel.supports(layer.decode_view(), q) and layer.k_stream.n_quantized(150) > 0
     default = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
-    portable_build(monkeypatch, tmp_path)
+    portable_build(monkeypatch, portable_dir)
     portable = cpu_kernel.decode_attention(layer.decode_view(), q, None, 0.125)
     assert torch.equal(portable, default)
     torch.testing.assert_close(default, decode_attention_torch(layer.decode_view(), q, None, 0.125), rtol=1e-4,
@@ -134,7 +141,7 @@ def _cpu_flags() -> set[str]:
     return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
-def test_fp8_tables_are_decoded_from_their_bits(monkeypatch, tmp_path):
+def test_fp8_tables_are_decoded_from_their_bits(monkeypatch, portable_dir):
     """Where the build has the vector paths (-march=native on an x86 CPU with AVX2 and F16C), both fp8 formats'
     tables are recognised as their bit decodings (3 / 2 mantissa bits), so their codes are computed, not looked up one
     by one (the decoder is checked against all 256 entries of the table at every call: a wrong one would fall back to
@@ -150,7 +157,7 @@ def test_fp8_tables_are_decoded_from_their_bits(monkeypatch, tmp_path):
         assert lib.kvq_fp8_decoding(tables["fp8_e4m3"].data_ptr()) == 3
         assert lib.kvq_fp8_decoding(tables["fp8_e5m2"].data_ptr()) == 2
     assert lib.kvq_fp8_decoding(lut.data_ptr()) == 0
-    portable_build(monkeypatch, tmp_path)
+    portable_build(monkeypatch, portable_dir)
     lib = cpu_kernel.load()
     assert lib.kvq_simd_width() == 0 and lib.kvq_fp8_decoding(tables["fp8_e4m3"].data_ptr()) == 0
 
