@@ -228,7 +228,7 @@ def decode_attention(
         pads,
         rc, rs, P, pos, pos.stride(0) if rope is not None else 0,
         *kargs, *vargs,
-        Hkv, R, N, min(view.sink_tokens, N), chunk,
+        Hkv, R, N, min(view.sink_tokens, N), chunk, min(chunk, -(-N // tile) * tile),
         D=D, H2=D // 2, RP=RP, TT=tile, BLK=BLOCK,
         KG=kc["G"], KBITS=kc["BITS"], KNB=kc["NB"], KM=kc["M"], K_TOKEN=kc["TOKEN"], K_TABLE=kc["TABLE"],
         K_ZERO=kc["ZERO"],

@@ -52,7 +52,8 @@ def _decode_attn_kernel(
     vsk_ptr, vskb, vskh, vskt,
     vp_ptr, vpb, vph, vpr, vs_ptr, vz_ptr, vqb, vqh, vqt, vt_ptr, vst_ptr, vcnt_ptr, vn,
     vw_ptr, vwb, vwh, vwt, Wv,
-    Hkv, R, N, s, CH,  # s: sink positions present; CH: positions per program (a multiple of TT)
+    Hkv, R, N, s, CH, SPAN,  # s: sink positions present; CH: positions per program (a multiple of TT); SPAN: those
+    # the loop visits, min(CH, N rounded up to TT): one chunk's loop ends at N's last tile, not at CH
     D: tl.constexpr, H2: tl.constexpr, RP: tl.constexpr, TT: tl.constexpr, BLK: tl.constexpr,
     KG: tl.constexpr, KBITS: tl.constexpr, KNB: tl.constexpr, KM: tl.constexpr, K_TOKEN: tl.constexpr,
     K_TABLE: tl.constexpr, K_ZERO: tl.constexpr,
@@ -94,7 +95,7 @@ def _decode_attn_kernel(
     p_hi = tl.minimum(p_lo + CH, N)
     # the loop's bounds are plain arguments: the interpreter of triton 3.6 takes no tensor (p_hi) as a range bound;
     # positions past p_hi (the last chunk's tail) are masked off below
-    for t0 in range(0, CH, TT):
+    for t0 in range(0, SPAN, TT):
         p = p_lo + t0 + tl.arange(0, TT)
         j = p - pad
         live = (p < p_hi) & (j >= 0)
