@@ -265,6 +265,7 @@ def test_backend_cpu_without_compiler_fails_before_model_load(no_compiler):
 
 def test_kernel_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("KVQ_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVQ_KERNEL_CFLAGS", "-O0")  # what is cached, not its speed: a quicker build
     monkeypatch.setattr(cpu_build, "_LIB", None)
     monkeypatch.setattr(cpu_build, "_ERROR", None)
     cpu_kernel.load()
