@@ -108,6 +108,32 @@ def test_paired_difference_and_best_per_band():
     assert select.best_per_band(errors, bits, [3, 4], 2) == {3: ["c", "a"], 4: ["b", "c"]}
 
 
+def test_the_report_names_each_engines_best_candidate_per_budget():
+    """A user asks: at my budget, in my engine, which cache? Per budget, the ranked candidate of least KL among those
+    each engine runs, with the setting that runs it (fixed records: b runs in llama.cpp and kvq_lab, c in kvq_lab only,
+    d is over the 3-bit budget)."""
+    from kvq_lab.report.studies import frontier as study
+
+    def cand(name, bits, budgets, engines):
+        return {"name": name, "source": "grid", "bits": bits, "exact": True, "budgets": budgets, "engines": engines}
+
+    def rec(kl):
+        pos = [kl + 0.001 * (i % 3) for i in range(32)]
+        return {"metrics": {"fidelity/kl_mean": kl, "fidelity/top1_agree": 0.9},
+                "artifacts": {"fidelity_by_position": {"kl_mean": pos, "top1_agree": [1.0] * 32}}}  # fmt: skip
+
+    run, flags = "`python run.py mode=packed`", "`-ctk q4_0 -ctv q4_0 -fa on`"
+    kvq, lcpp = f"kvq_lab packed cache: {run}", f"llama.cpp: {flags}"
+    cs = [cand("b", 3.0, [3.0, 4.5], [lcpp, kvq]), cand("c", 2.5, [3.0, 4.5], [kvq]), cand("d", 4.5, [4.5], [kvq])]
+    plan = {"model": "m", "settings": {"budgets": [3.0, 4.5]}, "candidates": cs}
+    rank = {"b": rec(0.3), "c": rec(0.2), "d": rec(0.1)}
+    a = study.analyse(plan, {}, rank, {})
+    assert a["engines"] == {
+        3.0: {"kvq_lab packed cache": ("c", run), "llama.cpp": ("b", flags)},
+        4.5: {"kvq_lab packed cache": ("d", run), "llama.cpp": ("b", flags)},
+    }
+
+
 def test_spearman_on_fixed_inputs():
     from scipy.stats import spearmanr
 

@@ -79,11 +79,18 @@ def analyse(plan: dict, screen: dict, rank: dict, confirm: dict) -> dict[str, An
             m, se = gap(by[w], by[r])
             margin = (m, se, beats(by[w], by[r]))
         wins[b] = (w, r, margin)
+    engines: dict[float, dict[str, tuple[str, str]]] = {}  # budget -> engine -> (least-KL candidate, its setting)
+    for b in plan["settings"]["budgets"]:
+        best = engines.setdefault(b, {})
+        for p in sorted((p for p in pts if b in cands[p.name]["budgets"]), key=lambda p: (p.kl, p.bits)):
+            for e in cands[p.name].get("engines") or []:
+                engine, setting = e.split(": ", 1) if ": " in e else (e, "")
+                best.setdefault(engine, (p.name, setting))
     both = [n for n in ranked if n in screen]
     kl = [ranked[n]["metrics"]["fidelity/kl_mean"] for n in both]
     rho = {k: select.spearman([screen[n]["metrics"].get(m, math.nan) for n in both], kl) for k, m in SCREENS.items()}
     return {"points": pts, "pareto": {"front": front, "kept": kept}, "winners": wins, "floors": floors,
-            "spearman": rho, "n_corr": len(both)}  # fmt: skip
+            "spearman": rho, "n_corr": len(both), "engines": engines}  # fmt: skip
 
 
 def _engines(c: dict) -> str:
@@ -136,7 +143,14 @@ def report(plan: dict, screen: dict, rank: dict, confirm: dict) -> str:
         )
     fl = "; ".join(f"{f.cell()} ({', '.join(f.changes)})" for f in a["floors"]) or "none measured (frontier.noise=none)"
     lines += ["", f"Noise floor (each winner rerun with only float rounding changed, KL paired): {fl}.", ""]
-    lines += ["## Frontier (stored bits vs KL)", "", "| candidate | source | stored bits | KL mean | top-1 | "
+    lines += ["## Best per engine", "", "Per budget, the ranked candidate of least KL that each engine runs, and the "
+              "setting that runs it.", "", "| budget | engine | candidate | stored bits | KL mean | setting |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for b, best in a["engines"].items():
+        for engine, (name, setting) in sorted(best.items()):
+            lines.append(f"| {b:g} | {engine} | {name} | {cands[name]['bits']:.3f} | "
+                         f"{rank[name]['metrics']['fidelity/kl_mean']:.4f} | {setting} |")  # fmt: skip
+    lines += ["", "## Frontier (stored bits vs KL)", "", "| candidate | source | stored bits | KL mean | top-1 | "
               "attention-output error | place |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     front, kept = set(a["pareto"]["front"]), set(a["pareto"]["kept"])
     for p in sorted(a["points"], key=lambda p: (p.bits, p.kl)):
@@ -157,7 +171,8 @@ def report(plan: dict, screen: dict, rank: dict, confirm: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(plan: dict, rank: dict, screen: dict, path: Path) -> None:
+def draw(plan: dict, rank: dict, screen: dict, path: Path) -> None:
+    """One model's frontier.png: stored bits vs KL, the frontier drawn, the winners named."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,7 +204,7 @@ def figure(plan: dict, rank: dict, screen: dict, path: Path) -> None:
 def write(folder: Path, plan: dict, screen: dict, rank: dict, confirm: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.md").write_text(report(plan, screen, rank, confirm))
-    figure(plan, rank, screen, folder / "frontier.png")
+    draw(plan, rank, screen, folder / "frontier.png")
     return folder / "report.md"
 
 
@@ -219,6 +234,12 @@ def tables(recs) -> dict[str, str]:
         f"frontier_{m.replace('/', '_')}/report.md": report(plan, st["screen"], st["rank"], st["confirm"])
         for m, (plan, st) in recs.items()
     }
+
+
+def figure(recs, folder: Path) -> None:
+    """Each model's frontier.png beside its report (`python -m kvq_lab.report frontier`)."""
+    for m, (plan, st) in recs.items():
+        draw(plan, st["rank"], st["screen"], Path(folder) / f"frontier_{m.replace('/', '_')}" / "frontier.png")
 
 
 def rows(recs):
