@@ -285,12 +285,15 @@ def load_rows(
     paper_model: str = DEFAULT_MODEL,
     model: str | None = None,
 ) -> list[Row]:
-    # the studies' one reader (kvq_lab.report.study): a record that does not match its digest is named and left out
+    # the studies' one reader (kvq_lab.report.study): a record that does not match its digest is named and left out.
+    # A frontier search's screens are probes of its own protocol (frontier.screen: fewer prompts and tokens), never
+    # joined into a study's table
     probes = [
         r
         for d in probe_folders(results_dir)
         for r in read(d, None, status=None)
         if any(k.startswith("probe/") for k in r.get("metrics", {}))
+        and not str(r.get("experiment") or "").startswith("frontier")
     ]
     if not (Path(results_dir) / "runs").is_dir():
         return []

@@ -28,7 +28,7 @@ TABLES = {  # study -> the tables it writes, relative to experiments/<study>/
     "fidelity": ["table.md", "long_context_table.md"],
     "field_methods": ["table.md"],
     "formats": ["table.md"],
-    "frontier": [],  # no search committed yet: experiments/frontier/README.md has the commands that fill it
+    "frontier": ["frontier_smollm2-135m/report.md"],  # per model searched: frontier_<model>/report.md
     "group_size": ["table.md"],
     "kivi_axis_table": ["table.md", "gemma3-270m/table.md", "paired.md"],  # paired.md: the noise floor beside each
     "kivi_residual": ["table.md"],
@@ -74,8 +74,8 @@ def test_the_tables_that_need_the_model_regenerate(study, monkeypatch):
     regenerate(study, MODEL_STUDIES[study], monkeypatch)
 
 
-# recompute's rows need no model; its bytes do. frontier: no search committed yet, so no rows
-@pytest.mark.parametrize("study", sorted(set(TABLES) - {"frontier"}) + ["recompute"])
+# recompute's rows need no model; its bytes do
+@pytest.mark.parametrize("study", sorted(TABLES) + ["recompute"])
 def test_a_study_gives_its_rows_as_a_dataframe(study, monkeypatch):
     import pandas as pd
 
@@ -196,3 +196,12 @@ def test_no_committed_file_names_a_path_of_one_machine():
             if pattern.search(line):
                 found.append(f"{f}:{n}: {line.strip()[:100]}")
     assert not found, "absolute paths of one machine (use ../shared/data, relative results_dir):\n" + "\n".join(found)
+
+
+def test_the_frontier_figure_is_drawn_per_model_by_the_study_protocol(tmp_path, monkeypatch):
+    """`python -m kvq_lab.report frontier` calls `figure(records, folder)`: each searched model's frontier.png."""
+    monkeypatch.chdir(REPO)
+    mod = load("frontier")
+    recs = mod.records(EXP / "frontier")
+    mod.figure(recs, tmp_path)
+    assert sorted(p.parent.name for p in tmp_path.glob("*/frontier.png")) == [f"frontier_{m}" for m in sorted(recs)]

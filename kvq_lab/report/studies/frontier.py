@@ -239,7 +239,9 @@ def tables(recs) -> dict[str, str]:
 def figure(recs, folder: Path) -> None:
     """Each model's frontier.png beside its report (`python -m kvq_lab.report frontier`)."""
     for m, (plan, st) in recs.items():
-        draw(plan, st["rank"], st["screen"], Path(folder) / f"frontier_{m.replace('/', '_')}" / "frontier.png")
+        out = Path(folder) / f"frontier_{m.replace('/', '_')}"
+        out.mkdir(parents=True, exist_ok=True)
+        draw(plan, st["rank"], st["screen"], out / "frontier.png")
 
 
 def rows(recs):
