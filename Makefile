@@ -1,5 +1,5 @@
 # Quickstart:  make run   (set up, then the default job)     make test   (set up, then the test suite)
-# Edit loop:   make check (the fast subset, no real model: 2.7 min on 2 cores on 2026-12-07)   make lint
+# Edit loop:   make check (the fast subset, no real model: 2.6 min on 2 cores on 2026-12-07)   make lint
 DATA ?= $(abspath ../shared/data)
 PY := .venv/bin/python
 ARGS ?=
