@@ -152,12 +152,20 @@ def resolve(
         "source": s["source"],
         "cache": cache.label(),
         "sensitivity": {t: {str(b): v for b, v in d.items()} for t, d in sens.items()},
-        "sensitivity_cache": str(sens_path),
+        "sensitivity_cache": _home_relative(sens_path),
         "bytes": {"key": costs.key, "value": costs.value, f"fixed_per_{unit}": costs.fixed, "shared": costs.shared},
     }
     write_file(run_dir / "precision.yaml", key_bits, value_bits, meta)
     log.info("precision: key bits %s, value bits %s (%.3f bits/element)", key_bits, value_bits, meta["stored_bits"])
     return per_layer(cache, key_bits, value_bits)
+
+
+def _home_relative(path: Path) -> str:
+    """`path` as `~/...` under the home folder (the default caches): a committed run folder names no one's home."""
+    try:
+        return str(Path("~") / Path(path).resolve().relative_to(Path.home().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def metrics(model, cache: CacheConfig, precision) -> dict[str, float]:

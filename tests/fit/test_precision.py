@@ -410,3 +410,14 @@ def test_sensitivity_text_is_calibrations(data_dir, tmp_path):
     note.write_text("Some other text.\n")
     other = precision.sensitivity_text({"source": "file", "path": str(note)}, data_dir)
     assert other != text and other.startswith("Some other text.")
+
+
+def test_the_search_file_names_the_sensitivity_cache_without_ones_home(tmp_path, monkeypatch):
+    """precision.yaml lands in run folders that studies commit: the default cache under the home folder is written as
+    `~/...`; a cache set elsewhere ($KVQ_PRECISION_CACHE) as given."""
+    from kvq_lab.fit.precision import _home_relative
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cached = tmp_path / ".cache" / "kvq_lab" / "precision" / "a.json"
+    assert _home_relative(cached) == "~/.cache/kvq_lab/precision/a.json"
+    assert _home_relative(Path("/elsewhere/a.json")) == "/elsewhere/a.json"
