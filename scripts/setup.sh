@@ -28,6 +28,11 @@ from kvq_lab.models.loading import EMBEDDED, embedded_gguf
 missing = [n for n in EMBEDDED if embedded_gguf(n) is None]
 if missing:
     raise SystemExit(f'setup: embedded models not found after their install: {missing}')"
+# optimum-quanto (transformers' QuantizedCache backend) compiles its C++ unpacking on first use, into its own package
+# folder: ~70 s on 2 cores with both busy, once here rather than inside the first run or test that quantizes with it
+.venv/bin/python -c "
+from optimum.quanto.library.extensions import get_extension
+get_extension('quanto_cpp').lib" || echo "setup: optimum-quanto's C++ extension did not build; its first use will try again"
 # lm-eval discovers no out-of-tree models: a one-line .pth file makes `lm_eval --model kvq` work in this environment
 .venv/bin/python -m kvq_lab.lmeval.plugin register
 touch "$stamp"

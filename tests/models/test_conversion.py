@@ -97,3 +97,22 @@ def test_one_load_parses_a_gguf_file_once(monkeypatch):
         hf_gguf.load_gguf_checkpoint("a.gguf", return_tensors=True)  # the tensors: read, never kept
     assert made == ["a.gguf", "b.gguf"] and decoded == ["a.gguf", "a.gguf"]
     assert (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint) == (real_reader, real_load)
+
+
+def test_the_kept_reader_maps_the_file_read_only_and_copies_what_transformers_edits(tmp_path):
+    """The reader's file is the mapped bytes as a plain array (read-only, as np.memmap's mode "r"); each caller gets
+    dicts and lists of its own, so an edit never reaches the kept metadata."""
+    import numpy as np
+
+    from kvq_lab.models import loading
+
+    f = tmp_path / "x.bin"
+    f.write_bytes(bytes(range(16)))
+    data = loading._PlainMaps().memmap(f, mode="r")
+    assert type(data) is np.ndarray and data.tolist() == list(range(16)) and not data.flags.writeable
+    kept = {"tokenizer": {"tokens": ["a", "b"], "merges": [["a", "b"]]}, "config": {"n": 1}}
+    copied = loading._copied(kept)
+    copied["tokenizer"]["tokens"].append("c")
+    copied["tokenizer"]["merges"][0].append("c")
+    copied["config"].pop("n")
+    assert kept == {"tokenizer": {"tokens": ["a", "b"], "merges": [["a", "b"]]}, "config": {"n": 1}}
