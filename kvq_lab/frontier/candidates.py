@@ -170,20 +170,23 @@ def identity(cache, c: dict) -> str:
     return json.dumps([asdict(cache), prec if prec.get("name") != "uniform" else None], sort_keys=True, default=str)
 
 
-def engine_settings(base: dict[str, Any]) -> dict[str, list[str]]:
-    """cache identity -> `engine: setting (match; backing test or the difference)` of every engine-table row."""
-    from kvq_lab.report.engines import ROWS
+def engine_settings(base: dict[str, Any], architecture: str | None = None) -> dict[str, list[str]]:
+    """cache identity -> `engine: setting (match; backing test or the difference)` of every engine-table row that
+    runs on a model of `architecture` (None, not known: every row, saying which models it is for)."""
+    from kvq_lab.report.engines import FOR_MODELS, ROWS
 
     out: dict[str, list[str]] = {}
     by_name = dict(presets())
     for row in ROWS:
+        if not row.runs_on(architecture):
+            continue
         c = apply(base, {**(by_name.get(row.quant, {}) if row.quant else {}), **row.knobs})
         try:
             key = identity(cache_config(c), c)
         except ConfigError:
             continue
         why = row.test if row.match == "same arithmetic" else row.difference
-        only = "" if row.models == "any" else f", {row.models} GGUFs only"
+        only = "" if row.models == "any" or architecture else f", {FOR_MODELS[row.models]}"
         out.setdefault(key, []).append(f"{row.engine}: `{row.setting}` ({row.match}{only}; {why})")
     return out
 
@@ -210,7 +213,7 @@ def enumerate_candidates(
     raw = [(src, n, o) for src in sources for n, o in (searches(budgets) if src == "search" else made[src]())]
     out: dict[str, Candidate] = {}
     notes: list[str] = []
-    engine = engine_settings(base)
+    engine = engine_settings(base, facts.architecture if facts is not None else None)
     for src, name, overrides in raw:
         c = apply(base, overrides)
         try:

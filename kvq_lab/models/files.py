@@ -27,6 +27,7 @@ class ModelFacts:
     chat_template: bool | None = None
     rope_by_layer_type: bool = False
     sliding_layers: tuple[int, ...] | None = None  # layers attending within a sliding window; None: not known
+    architecture: str | None = None  # config.json's model_type or the GGUF's general.architecture (llama, gemma3...)
 
 
 # GGUF architectures with sliding-window layers, and the pattern llama.cpp gives them: every n-th layer is global
@@ -167,6 +168,7 @@ def facts(src: str) -> ModelFacts | None:
                 chat_template=_folder_chat_template(p),
                 rope_by_layer_type=_rope_by_layer_type(c),
                 sliding_layers=_sliding_layers(c, n_layers),
+                architecture=c.get("model_type"),
             )
         except (KeyError, TypeError, ValueError):
             return None  # not a decoder this check knows: the load itself will say
@@ -187,6 +189,7 @@ def facts(src: str) -> ModelFacts | None:
             chat_template="tokenizer.chat_template" in meta,
             rope_by_layer_type=arch in ROPE_BY_LAYER_TYPE,
             sliding_layers=_gguf_sliding(arch, get("attention.sliding_window"), layers),
+            architecture=arch,
         )
     return None
 

@@ -13,8 +13,9 @@ its packed mode supports (`mode=packed`).
 
 llama.cpp (b11434 and later): `-ctk/-ctv` pick the cache type (quantized V needs `-fa on`); a Hadamard rotation of
 quantized K and V is on by default since 2026-04, `LLAMA_ATTN_ROT_DISABLE=1` turns it off. Its `llamacpp_*` presets
-list a Llama key's channels in llama.cpp's order (`interleave`): Llama-architecture GGUFs only; rotate-half models
-(Gemma, Qwen) keep transformers' order there: the `ggml_*` presets.
+list a Llama key's channels in llama.cpp's order (`interleave`): Llama-architecture models only (`LLAMA_ORDER`);
+rotate-half models (Gemma, Qwen) keep transformers' order there: the `ggml_*` presets. A model's rows are those that
+`runs_on` its architecture.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SAME, NEAREST = "same arithmetic", "nearest"
+# architectures whose keys llama.cpp's converter permutes into its channel order (transformers' GGUF loader undoes the
+# permutation for `llama`, under which llama.cpp files Mistral too)
+LLAMA_ORDER = ("llama", "mistral")
+FOR_MODELS = {"llama": "Llama-architecture models only", "other": "models other than Llama's architecture only"}
 PARITY = "tests/report/test_studies_regenerate.py::test_a_study_regenerates_its_tables"  # [llama_cpp_parity]
 GGML = "tests/quant/test_ggml_formats.py::test_codes_and_parameters_are_ggmls_bytes"
 NVFP4 = "tests/quant/test_fp4_formats.py::test_nvfp4_dequantizes_as_gguf_decodes_its_bytes"
@@ -41,7 +46,14 @@ class EngineRow:
     match: str = SAME
     test: str = ""  # <test file>::<test name> backing a `same arithmetic` row (and the format of a `nearest` one)
     difference: str = ""  # a `nearest` row: what differs
-    models: str = "any"  # `llama`: Llama-architecture GGUFs only (llama.cpp's key channel order)
+    models: str = "any"  # `llama`: Llama-architecture models only (llama.cpp's key channel order); `other`: the rest
+
+    def runs_on(self, architecture: str | None) -> bool:
+        """Whether this row's arithmetic is the engine's on a model of `architecture` (config.json's model_type or
+        the GGUF's general.architecture; None, not known: every row, each saying which models it is for)."""
+        if self.models == "any" or architecture is None:
+            return True
+        return (architecture in LLAMA_ORDER) == (self.models == "llama")
 
 
 def _llamacpp() -> list[EngineRow]:
@@ -55,7 +67,7 @@ def _llamacpp() -> list[EngineRow]:
             EngineRow("llama.cpp", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", f"llamacpp_{name}", test=PARITY, models="llama")
         )
     for t in ("q8_0", "q4_0"):  # other architectures: the same blocks in transformers' channel order
-        rows.append(EngineRow("llama.cpp", f"-ctk {t} -ctv {t} -fa on (non-Llama GGUF)", f"ggml_{t}_had", test=GGML))
+        rows.append(EngineRow("llama.cpp", f"-ctk {t} -ctv {t} -fa on", f"ggml_{t}_had", test=GGML, models="other"))
     return rows
 
 

@@ -157,6 +157,31 @@ def test_every_engine_row_composes_and_names_a_test_that_exists(base):
         assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), row.test
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", None])
+def test_a_model_gets_the_llama_cpp_settings_of_its_architecture(base, architecture):
+    """llama.cpp keeps a Llama key's channels in its own order (`llamacpp_*`, interleaved) and every other model's in
+    transformers' (`ggml_*`): a model is told only the settings whose arithmetic its architecture gets (not known:
+    all of them, each saying which models it is for)."""
+    flags = {}
+    for lines in cands.engine_settings(base, architecture).values():
+        for line in lines:
+            if line.startswith("llama.cpp:"):
+                flags[line] = ("Llama-architecture models only" in line, "other than Llama" in line)
+    named = {k: v for k, v in flags.items() if "(same arithmetic" in k}
+    assert named
+    if architecture is None:
+        assert all(llama != other for llama, other in named.values())
+        assert {llama for llama, _ in named.values()} == {True, False}
+    else:
+        assert not any(llama or other for llama, other in named.values())  # already filtered: no caveat
+    by_preset = {row.setting: row.quant for row in engines.ROWS if row.runs_on(architecture)}
+    quants = {q for k, q in by_preset.items() if q and q.startswith(("llamacpp_", "ggml_"))}
+    if architecture == "llama":
+        assert quants and all(q.startswith("llamacpp_") for q in quants)
+    elif architecture == "gemma3":
+        assert quants == {"ggml_q8_0_had", "ggml_q4_0_had"}
+
+
 def test_cost_plan_and_the_max_minutes_cut():
     rate = Rate(10.0)
     plan = [StagePlan("screen", 5, 2, rate), StagePlan("rank", 3, 1, Rate(40.0))]

@@ -77,6 +77,9 @@ def test_each_embedded_model_is_found_or_names_its_install(name, tmp_path, monke
     conf = yaml.safe_load((REPO / "conf" / "model" / f"{name}.yaml").read_text())
     assert conf["name"] == name and conf["path"] == name
     assert facts(str(gguf)).head_dim == conf["head_dim"]
+    # the architecture the engine table keys llama.cpp's channel order on: the GGUF's, and the converted copy's
+    arch = {"smollm2-135m": ("llama", "llama"), "gemma3-270m": ("gemma3", "gemma3_text")}[name]
+    assert facts(str(gguf)).architecture == arch[0] and facts(resolve(name)).architecture in arch
 
 
 @pytest.mark.parametrize("name", NAMES)
