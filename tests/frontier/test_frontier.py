@@ -134,6 +134,42 @@ def test_the_report_names_each_engines_best_candidate_per_budget():
     }
 
 
+def test_each_recommended_llama_cpp_setting_is_checked_against_llama_cpp_with_its_floor():
+    """The report's llama.cpp rows (b at both budgets) and the q8_0 cache of the same rotation (e, the kernel floor)
+    are what experiments/frontier/llama_cpp_check.py runs; the table puts llama.cpp's KLD beside kvq_lab's, raw and
+    with the floor (llama.cpp's q8_0 less kvq_lab's), against the parity study's band (fixed records and logs)."""
+    from kvq_lab.report.studies import frontier as study
+
+    def cand(name, bits, budgets, engines):
+        return {"name": name, "source": "preset", "bits": bits, "exact": True, "budgets": budgets,
+                "engines": engines, "overrides": {"format": name}}  # fmt: skip
+
+    def rec(kl, n_ctx=None):
+        pos = [kl + 0.001 * (i % 3) for i in range(32)]
+        return {"metrics": {"fidelity/kl_mean": kl, "fidelity/top1_agree": 0.9}, "config": {"task": {"n_ctx": n_ctx}},
+                "artifacts": {"fidelity_by_position": {"kl_mean": pos, "top1_agree": [1.0] * 32}}}  # fmt: skip
+
+    q4, q8 = "llama.cpp: `-ctk q4_0 -ctv q4_0 -fa on` (same arithmetic; t)", "llama.cpp: `-ctk q8_0 -ctv q8_0 -fa on`"
+    cs = [cand("b", 4.5, [4.5, 8.5], [q4]), cand("c", 2.5, [3.0, 4.5, 8.5], []), cand("e", 8.5, [8.5], [q8])]
+    plan = {"model": "m", "settings": {"budgets": [3.0, 4.5, 8.5]}, "candidates": cs}
+    stages = {"screen": {}, "rank": {"b": rec(0.3), "c": rec(0.2)}, "confirm": {}}  # e: not ranked, the floor only
+    got = study.llama_cpp_settings(plan, stages)
+    assert [(s.candidate, s.budgets, s.ctk, s.rotation, s.log(512)) for s in got] == [
+        ("b", (4.5, 8.5), "q4_0", True, "512_q4_0_q4_0_rot.log"), ("e", (), "q8_0", True, "512_q8_0_q8_0_rot.log")
+    ]  # fmt: skip
+    assert got[0].overrides == {"format": "b"}
+    logs = {"512_q4_0_q4_0_rot.log": {"kl_mean": 0.038}, "512_q8_0_q8_0_rot.log": {"kl_mean": 0.0040}}
+    check = {"kvq": {"b": rec(0.030, 512), "e": rec(0.0001, 512)}, "logs": logs}
+    rows = [line for line in study.llama_cpp_check(plan, stages, check).splitlines() if line.startswith("| ")][1:]
+    # b: raw 0.030 vs 0.038 misses the band (0.0057); with the floor 0.0039, 0.0339 is within it
+    assert rows == [
+        "| 4.5, 8.5 | b | `-ctk q4_0 -ctv q4_0 -fa on` | 0.0380 | 0.0300 | no | 0.0039 | 0.0339 | yes |",
+        "| (floor) | e | `-ctk q8_0 -ctv q8_0 -fa on` | 0.0040 | 0.0001 | no | 0.0039 | 0.0040 | by construction |",
+    ]
+    not_run = study.llama_cpp_check(plan, stages, {"kvq": {"b": rec(0.03, 512)}, "logs": {}})
+    assert "| 4.5, 8.5 | b | `-ctk q4_0 -ctv q4_0 -fa on` | not run |" in not_run
+
+
 def test_spearman_on_fixed_inputs():
     from scipy.stats import spearmanr
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,18 @@ def analyse(plan: dict, screen: dict, rank: dict, confirm: dict) -> dict[str, An
             "spearman": rho, "n_corr": len(both), "engines": engines}  # fmt: skip
 
 
+def _run_minutes(*stages: dict[str, dict]) -> float:
+    """The stages' records' wall time (start to finish), summed: a resumed search's rows count once, when they ran."""
+    from datetime import datetime
+
+    total = 0.0
+    for recs in stages:
+        for r in recs.values():
+            if r.get("started") and r.get("finished"):
+                total += (datetime.fromisoformat(r["finished"]) - datetime.fromisoformat(r["started"])).total_seconds()
+    return total / 60
+
+
 def _engines(c: dict) -> str:
     return "<br>".join(c.get("engines") or []) or "no engine runs this yet"
 
@@ -111,7 +125,9 @@ def report(plan: dict, screen: dict, rank: dict, confirm: dict) -> str:
         f"{plan['enumerated']} candidates within a budget, {len(cands)} searched; screened on {s['screen']['prompts']} "
         f"prompts x {s['screen']['tokens']} tokens (task=probe), ranked by task=fidelity ({rank_s['windows']} "
         f"window(s), {rank_s['context_tokens']} + {rank_s['eval_tokens']} tokens), confirmed on task={task} "
-        f"(limit {s['confirm']['limit']}). Took {plan['stages'].get('minutes', '?')} min.",
+        f"(limit {s['confirm']['limit']}). The stages' runs took {_run_minutes(screen, rank, confirm):.1f} min (their "
+        f"records' start to finish, summed: the same after a resume); the last invocation "
+        f"{plan['stages'].get('minutes', '?')} min.",
         "",
         "## Winner per budget",
         "",
@@ -211,8 +227,115 @@ def write(folder: Path, plan: dict, screen: dict, rank: dict, confirm: dict) -> 
 # --- the study protocol (kvq_lab/report/studies/__init__.py) --------------------------------------------------------
 
 
-def records(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, dict]]]]:
-    """model -> (its plan, stage -> name -> newest completed record); empty where the folder holds no search yet."""
+# --- the recommended llama.cpp settings, run through llama.cpp (experiments/frontier/llama_cpp_check.py) ------------
+
+
+@dataclass(frozen=True)
+class LlamaCppSetting:
+    """A llama.cpp setting to check: the candidate (kvq_lab's cache: `overrides`), its flags, the budgets whose
+    llama.cpp row it is (none: the q8_0 cache of the same rotation, for llama.cpp's kernel floor)."""
+
+    candidate: str
+    overrides: dict
+    flags: str
+    budgets: tuple[float, ...]
+
+    @property
+    def rotation(self) -> bool:
+        return "LLAMA_ATTN_ROT_DISABLE=1" not in self.flags
+
+    @property
+    def ctk(self) -> str:
+        return re.search(r"-ctk (\S+)", self.flags).group(1)
+
+    @property
+    def ctv(self) -> str:
+        return re.search(r"-ctv (\S+)", self.flags).group(1)
+
+    def log(self, n_ctx: int) -> str:
+        return f"{n_ctx}_{self.ctk}_{self.ctv}_{'rot' if self.rotation else 'norot'}.log"
+
+
+def _flags(engine_line: str) -> str:
+    return engine_line.split("`")[1]
+
+
+def llama_cpp_settings(plan: dict, stages: dict) -> list[LlamaCppSetting]:
+    """The report's llama.cpp rows (per budget, the least-KL ranked candidate llama.cpp runs), then for each rotation
+    among them the q8_0 cache of that rotation (the floor), from the plan's candidates (their engine rows are those
+    of the model's architecture)."""
+    cands = {c["name"]: c for c in plan["candidates"]}
+    a = analyse(plan, stages["screen"], stages["rank"], stages["confirm"])
+    picked: dict[str, list[float]] = {}
+    for b, best in a["engines"].items():
+        if "llama.cpp" in best:
+            picked.setdefault(best["llama.cpp"][0], []).append(b)
+    out = []
+    for name, budgets in picked.items():
+        line = next(e for e in cands[name]["engines"] if e.startswith("llama.cpp: "))
+        out.append(LlamaCppSetting(name, cands[name]["overrides"], _flags(line), tuple(budgets)))
+    for rot in sorted({s.rotation for s in out}):
+        if any((s.ctk, s.ctv, s.rotation) == ("q8_0", "q8_0", rot) for s in out):
+            continue
+        for c in plan["candidates"]:
+            lines = [e for e in c.get("engines") or [] if e.startswith("llama.cpp: ")]
+            s = [LlamaCppSetting(c["name"], c["overrides"], _flags(e), ()) for e in lines]
+            s = [x for x in s if (x.ctk, x.ctv, x.rotation) == ("q8_0", "q8_0", rot)]
+            if s:
+                out.append(s[0])
+                break
+    return out
+
+
+def llama_cpp_check(plan: dict, stages: dict, check: dict | None) -> str:
+    """check.md: each recommended setting's mean KLD in llama.cpp beside kvq_lab's for the same cache (llama.cpp's
+    perplexity chunks), raw and with llama.cpp's kernel floor added (its q8_0 KLD less kvq_lab's, same rotation),
+    against the parity study's band max(15% of llama.cpp's, 0.002)."""
+    from kvq_lab.report.studies.llama_cpp_parity import agree
+
+    check = check or {"kvq": {}, "logs": {}}
+    n_ctx = sorted({int(r["config"]["task"]["n_ctx"]) for r in check["kvq"].values()} or [0])[-1]
+    rows, floor = [], {}
+    for s in llama_cpp_settings(plan, stages):
+        rec, theirs = check["kvq"].get(s.candidate), check["logs"].get(s.log(n_ctx), {})
+        if rec is None or "kl_mean" not in theirs:
+            rows.append((s, None, None))
+            continue
+        ours = rec["metrics"]["fidelity/kl_mean"]
+        rows.append((s, ours, theirs))
+        if (s.ctk, s.ctv) == ("q8_0", "q8_0"):
+            floor[s.rotation] = theirs["kl_mean"] - ours
+    lines = [f"# llama.cpp's settings for {plan['model']}, run through llama.cpp", "",
+             f"llama-perplexity's protocol on both sides (CoQA stories, chunks of {n_ctx} tokens, the second half "
+             "scored), mean KLD against each side's 16-bit run. Band: max(15% of llama.cpp's, 0.002) "
+             "(experiments/llama_cpp_parity); floor: llama.cpp's q8_0 KLD less kvq_lab's, same rotation.", "",
+             "| budgets | candidate | llama.cpp setting | KLD llama.cpp | KLD kvq_lab | raw within band | floor | "
+             "kvq_lab + floor | within band |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s, ours, theirs in rows:
+        budgets = ", ".join(f"{b:g}" for b in s.budgets) or "(floor)"
+        if ours is None:
+            lines.append(f"| {budgets} | {s.candidate} | `{s.flags}` | not run | | | | | |")
+            continue
+        t, f = theirs["kl_mean"], floor.get(s.rotation)
+        raw = "yes" if agree(ours, t) else "no"
+        with_floor = "-" if f is None else f"{ours + f:.4f}"
+        ok = "-" if f is None else ("yes" if agree(ours + f, t) else "no")
+        if (s.ctk, s.ctv) == ("q8_0", "q8_0") and f is not None:
+            ok = "by construction"
+        fl = "-" if f is None else f"{f:.4f}"
+        lines.append(f"| {budgets} | {s.candidate} | `{s.flags}` | {t:.4f} | {ours:.4f} | {raw} | {fl} | "
+                     f"{with_floor} | {ok} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# --- the study protocol (kvq_lab/report/studies/__init__.py) --------------------------------------------------------
+
+
+def records(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, dict]], dict | None]]:
+    """model -> (its plan, stage -> name -> newest completed record, its llama.cpp check or None: kvq_lab's records
+    by candidate and llama.cpp's logs parsed); empty where the folder holds no search yet."""
+    from kvq_lab.report.studies.llama_cpp_parity import parse
+
     out = {}
     if not (Path(folder) / "runs").is_dir():
         return out
@@ -225,20 +348,28 @@ def records(folder: Path) -> dict[str, tuple[dict, dict[str, dict[str, dict]]]]:
                 name = str(r["config"].get("run_name", "")).removeprefix(f"frontier-{st}-")
                 noise = r["config"].get("noise", "none")
                 stages[st][name if noise == "none" else f"{name}@{noise}"] = r
-        out[plan["model"]] = (plan, stages)
+        check = None
+        where = Path(folder) / "llama_cpp_check" / plan["model"].replace("/", "_")
+        if (where / "runs").is_dir():
+            kvq = {str(r["config"].get("run_name")): r for r in read(where, [plan["model"]], clean=True)}
+            logs = {p.name: parse(p.read_text()) for p in sorted(where.glob("*.log"))}
+            check = {"kvq": kvq, "logs": logs}
+        out[plan["model"]] = (plan, stages, check)
     return out
 
 
 def tables(recs) -> dict[str, str]:
-    return {
-        f"frontier_{m.replace('/', '_')}/report.md": report(plan, st["screen"], st["rank"], st["confirm"])
-        for m, (plan, st) in recs.items()
-    }
+    out = {}
+    for m, (plan, st, check) in recs.items():
+        out[f"frontier_{m.replace('/', '_')}/report.md"] = report(plan, st["screen"], st["rank"], st["confirm"])
+        if check is not None:
+            out[f"llama_cpp_check/{m.replace('/', '_')}/check.md"] = llama_cpp_check(plan, st, check)
+    return out
 
 
 def figure(recs, folder: Path) -> None:
     """Each model's frontier.png beside its report (`python -m kvq_lab.report frontier`)."""
-    for m, (plan, st) in recs.items():
+    for m, (plan, st, _) in recs.items():
         out = Path(folder) / f"frontier_{m.replace('/', '_')}"
         out.mkdir(parents=True, exist_ok=True)
         draw(plan, st["rank"], st["screen"], out / "frontier.png")
@@ -246,7 +377,7 @@ def figure(recs, folder: Path) -> None:
 
 def rows(recs):
     out = []
-    for m, (plan, st) in recs.items():
+    for m, (plan, st, _) in recs.items():
         a = analyse(plan, st["screen"], st["rank"], st["confirm"])
         out += [{"model": m, "name": p.name, "bits": p.bits, "kl": p.kl} for p in a["points"]]
     return frame(out)
