@@ -77,11 +77,11 @@ def main() -> int:
     out = HERE / "llama_cpp_check" / args.model
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    data = os.environ.get("KVQ_DATA_DIR", str(REPO.parent / "shared" / "data"))
+    data = os.environ.get("KVQ_DATA_DIR", "../shared/data")  # relative to the repository, as the study commands
     for s in todo:  # kvq_lab's side: ordinary records, resumed by run key
         knobs = [f"{k}={_value(v)}" for k, v in s.overrides.items()]
         cmd = [sys.executable, "run.py", "experiment=llama_cpp_parity", f"model={args.model}", *knobs,
-               f"task.n_ctx={args.n_ctx}", f"results_dir={out}", f"data_dir={data}", "logger=none",
+               f"task.n_ctx={args.n_ctx}", f"results_dir={out.relative_to(REPO)}", f"data_dir={data}", "logger=none",
                "experiment_name=frontier-llama_cpp_check", f"run_name={s.candidate}"]  # fmt: skip
         print(f"kvq_lab: {s.candidate} ({s.flags})", flush=True)
         subprocess.run(cmd, cwd=REPO, env=env, check=True)
@@ -98,7 +98,7 @@ def main() -> int:
             text = Path(tmp) / "coqa_stories.txt"
             t = OmegaConf.create({"source": "coqa_stories", "path": None, "dataset": None, "dataset_config": None,
                                   "split": "test", "text_field": "text"})  # fmt: skip
-            text.write_text(source_text(t, Path(data)))
+            text.write_text(source_text(t, REPO / data))  # an absolute KVQ_DATA_DIR stays itself
             base = Path(tmp) / "base.kld"
             common = [binary, "-m", gguf, "-c", str(args.n_ctx), "-b", str(args.n_ctx), "-fa", "on", "-t",
                       str(args.threads), "-f", str(text)]  # fmt: skip

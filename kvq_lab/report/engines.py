@@ -14,8 +14,8 @@ its packed mode supports (`mode=packed`).
 llama.cpp (b11434 and later): `-ctk/-ctv` pick the cache type (quantized V needs `-fa on`); a Hadamard rotation of
 quantized K and V is on by default since 2026-04, `LLAMA_ATTN_ROT_DISABLE=1` turns it off. Its `llamacpp_*` presets
 list a Llama key's channels in llama.cpp's order (`interleave`): Llama-architecture models only (`LLAMA_ORDER`);
-rotate-half models (Gemma, Qwen) keep transformers' order there: the `ggml_*` presets. A model's rows are those that
-`runs_on` its architecture.
+rotate-half models (Gemma, Qwen) keep transformers' order there: the same presets without `interleave` (the `ggml_*`
+presets where one exists). A model's rows are those that `runs_on` its architecture.
 """
 
 from __future__ import annotations
@@ -57,17 +57,20 @@ class EngineRow:
 
 
 def _llamacpp() -> list[EngineRow]:
+    """Every cache type pair of the parity study, with llama.cpp's rotation and without. Llama-architecture models:
+    the `llamacpp_*` presets (keys in llama.cpp's order), backed by the parity study. The others: the same blocks in
+    transformers' order (no `interleave`), backed by the block formats' byte tests; llama.cpp rotates K by the
+    largest power of two <= the head dim dividing it, our `hadamard` the whole head: the same where the head dim is a
+    power of two (64-256: every embedded model)."""
     rows = []
     for k, v in (("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q4_1"), ("q5_0", "q5_0"), ("q5_1", "q5_1"),
                  ("iq4_nl", "iq4_nl"), ("q8_0", "q4_0")):  # fmt: skip
         name = k if k == v else f"{k}_{v}"
         flags = f"-ctk {k} -ctv {v} -fa on"
-        rows.append(EngineRow("llama.cpp", flags, f"llamacpp_{name}_had", test=PARITY, models="llama"))
-        rows.append(
-            EngineRow("llama.cpp", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", f"llamacpp_{name}", test=PARITY, models="llama")
-        )
-    for t in ("q8_0", "q4_0"):  # other architectures: the same blocks in transformers' channel order
-        rows.append(EngineRow("llama.cpp", f"-ctk {t} -ctv {t} -fa on", f"ggml_{t}_had", test=GGML, models="other"))
+        for preset, setting, key in ((f"llamacpp_{name}_had", flags, "hadamard"),
+                                     (f"llamacpp_{name}", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", None)):  # fmt: skip
+            rows.append(EngineRow("llama.cpp", setting, preset, test=PARITY, models="llama"))
+            rows.append(EngineRow("llama.cpp", setting, preset, {"key_transform": key}, test=GGML, models="other"))
     return rows
 
 

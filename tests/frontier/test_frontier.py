@@ -210,12 +210,15 @@ def test_a_model_gets_the_llama_cpp_settings_of_its_architecture(base, architect
         assert {llama for llama, _ in named.values()} == {True, False}
     else:
         assert not any(llama or other for llama, other in named.values())  # already filtered: no caveat
-    by_preset = {row.setting: row.quant for row in engines.ROWS if row.runs_on(architecture)}
-    quants = {q for k, q in by_preset.items() if q and q.startswith(("llamacpp_", "ggml_"))}
-    if architecture == "llama":
-        assert quants and all(q.startswith("llamacpp_") for q in quants)
-    elif architecture == "gemma3":
-        assert quants == {"ggml_q8_0_had", "ggml_q4_0_had"}
+    presets = dict(cands.presets())
+    rows = [row for row in engines.ROWS if row.engine == "llama.cpp" and row.runs_on(architecture)]
+    keys = {
+        row.setting: str(cands.apply(base, {**presets[row.quant], **row.knobs}).get("key_transform")) for row in rows
+    }
+    if architecture is not None:  # one cache per setting, its keys in the order llama.cpp keeps this architecture's
+        assert len(keys) == len(rows) == 14
+        assert all(("interleave" in k) == (architecture == "llama") for k in keys.values()), keys
+        assert all(("hadamard" in k) == ("LLAMA_ATTN_ROT_DISABLE" not in s) for s, k in keys.items()), keys
 
 
 def test_cost_plan_and_the_max_minutes_cut():
