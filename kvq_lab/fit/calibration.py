@@ -83,8 +83,28 @@ def fit_layer(cache: CacheConfig, cap: dict[str, Any], rope) -> CacheConfig:
 
 
 def fit(cache: CacheConfig, caps: list[dict[str, Any]], rope) -> CacheConfig:
-    """The cache config with one fitted config per layer (`CacheConfig.layers`)."""
-    return replace(cache, layers=tuple(fit_layer(cache.unfitted(), c, rope) for c in caps))
+    """The cache config with one fitted config per layer (`CacheConfig.layers`). `rope`: a RopeHelper for every
+    layer, one per layer (`layer_ropes`), or None (no RoPE)."""
+    ropes = rope if isinstance(rope, list | tuple) else [rope] * len(caps)
+    return replace(cache, layers=tuple(fit_layer(cache.unfitted(), c, r) for c, r in zip(caps, ropes, strict=True)))
+
+
+def layer_ropes(model) -> list | None:
+    """Each decoder layer's RoPE as the model rotates its keys there: the model's rotary module, asked with the
+    layer's type where it takes one (Gemma 3: one base frequency on sliding-window layers, another on global ones);
+    None without a rotary module."""
+    import inspect
+
+    from kvq_lab.cache.routing.rope import RopeHelper
+
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rotary is None:
+        return None
+    text_cfg = model.config.get_text_config(decoder=True)
+    n = text_cfg.num_hidden_layers
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return [RopeHelper(rotary)] * n
+    return [RopeHelper(rotary, t) for t in text_cfg.layer_types]
 
 
 # -- the run's entry point: text, capture, fit, kept on disk -----------------------------------------------------------
@@ -101,7 +121,6 @@ def calibrate(
     run's task section, whose windows coqa_stories must not overlap), from the disk cache when this
     (model, method, settings, text, code) was fitted before and the kept file matches its digest; `cache` itself
     when nothing in it is fitted."""
-    from kvq_lab.cache.routing.rope import RopeHelper
 
     if not needs_calibration(cache):
         return cache
@@ -117,9 +136,8 @@ def calibrate(
         ids = token_ids(tok, text, s, task)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
     caps = capture(model, ids, s["chunk"])
-    fitted = fit(cache.unfitted(), caps, RopeHelper(rotary) if rotary is not None else None)
+    fitted = fit(cache.unfitted(), caps, layer_ropes(model))
     write_fit(path, fitted, s)
     log.info("calibration: fitted on %d tokens of %s -> %s", ids.shape[1], s["source"], path)
     return fitted

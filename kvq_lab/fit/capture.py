@@ -1,5 +1,6 @@
-"""Calibration's capture: the calibration tokens through the model, with hooks on each decoder layer's k_proj and
-v_proj, keeping what the cache would be handed and the gradient of the next-token loss at it.
+"""Calibration's capture: the calibration tokens through the model, with hooks on each decoder layer's k_proj (its
+k_norm where the model normalises keys before RoPE) and v_proj, keeping what the cache would be handed and the
+gradient of the next-token loss at it.
 
 The first `calibration.tokens` tokens (default 2048) run in chunks of `calibration.chunk` (512), each its own
 sequence: pre-RoPE keys and values [1, H_kv, T, D] per layer, and the positions at which the model rotates the keys
@@ -37,13 +38,22 @@ def capture(model, ids, chunk: int) -> list[dict[str, Any]]:
 
         return fn
 
+    def heads_first(t: torch.Tensor, T: int) -> torch.Tensor:
+        """-> [1, H, T, D]: a projection's [1, T, H * D], a per-head norm's [1, T, H, D] or [1, H, T, D]."""
+        if t.dim() == 3:
+            return t.view(1, T, H, D).transpose(1, 2)
+        return t.transpose(1, 2) if t.shape[1] == T and t.shape[2] == H else t
+
     def leaf(module, args, out):  # gradients flow from the embeddings: no parameter needs one
         return out.detach().requires_grad_(True)
 
     handles = [model.model.embed_tokens.register_forward_hook(leaf)]
     for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.k_proj.register_forward_hook(hook(i, "key_pre")))
-        handles.append(layer.self_attn.v_proj.register_forward_hook(hook(i, "value")))
+        attn = layer.self_attn
+        # keys normalised per head before RoPE (Gemma 3, Qwen 3): what RoPE rotates is k_norm's output
+        keys = attn.k_norm if isinstance(getattr(attn, "k_norm", None), torch.nn.Module) else attn.k_proj
+        handles.append(keys.register_forward_hook(hook(i, "key_pre")))
+        handles.append(attn.v_proj.register_forward_hook(hook(i, "value")))
     grads = {id(p): p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -57,10 +67,10 @@ def capture(model, ids, chunk: int) -> list[dict[str, Any]]:
                 logits = model(x, use_cache=False).logits
                 loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), x[0, 1:])
                 loss.backward()
-                for i, name, t in live:  # [1, T, H * D] -> [1, H, T, D]
-                    T = t.shape[1]
-                    out[i][name].append(t.detach().float().view(1, T, H, D).transpose(1, 2).cpu())
-                    out[i]["g_" + name].append(t.grad.float().view(1, T, H, D).transpose(1, 2).cpu())
+                for i, name, t in live:
+                    T = x.shape[1]
+                    out[i][name].append(heads_first(t.detach().float(), T).cpu())
+                    out[i]["g_" + name].append(heads_first(t.grad.float(), T).cpu())
     finally:
         for h in handles:
             h.remove()

@@ -69,6 +69,40 @@ def test_capture_is_what_the_model_hands_the_cache(tiny_model):
     )  # parameters' flags restored as they were
 
 
+def _tiny_gemma3():
+    """Gemma 3's layout at toy size: keys normalised per head (k_norm) before RoPE, one RoPE base on the sliding
+    layer and another on the global one, one KV head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    types = ["sliding_attention", "full_attention"]
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=64,
+                           layer_types=types, max_position_embeddings=256)  # fmt: skip
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def test_capture_on_a_model_with_key_norms_and_rope_by_layer_type():
+    """Gemma 3: what RoPE rotates is k_norm's output, at the base frequency of the layer's type; the captured keys
+    rotated by each layer's own RoPE (`layer_ropes`) are what DynamicCache receives. Before, calibration read k_proj
+    and asked the rotary module without a layer type: every fitted method failed on Gemma after the model load."""
+    model = _tiny_gemma3()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    caps = capture(model, ids, chunk=40)
+    ropes = C.layer_ropes(model)
+    assert [r.layer_type for r in ropes] == ["sliding_attention", "full_attention"]
+    dc = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=dc)
+    for i, (cap, rope) in enumerate(zip(caps, ropes, strict=True)):
+        pos = rope.positions(cap["key_pre"], cap["positions"])
+        torch.testing.assert_close(rotate(cap["key_pre"], pos.cos, pos.sin), dc.layers[i].keys, rtol=0, atol=1e-5)
+        assert torch.equal(cap["value"], dc.layers[i].values)
+        assert torch.isfinite(cap["g_key_pre"]).all() and cap["g_key_pre"].abs().sum() > 0
+    cos = [r.positions(caps[0]["key_pre"], caps[0]["positions"]).cos for r in ropes]
+    assert not torch.allclose(cos[0], cos[1])  # two bases: one helper for both layers would rotate one wrongly
+
+
 def test_calibration_is_fitted_once_and_cached(tiny_model, tmp_path, monkeypatch, data_dir):
     monkeypatch.setenv("KVQ_CALIBRATION_CACHE", str(tmp_path))
     tok = ByteTokenizer()

@@ -82,8 +82,9 @@ class RopeHelper:
     """Wraps a model's rotary embedding module (`model.model.rotary_emb`): `module(x, position_ids) -> cos, sin`. One
     per cache: it also holds the cache's `PositionLog`s (`log`)."""
 
-    def __init__(self, rotary_emb: torch.nn.Module):
+    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None):
         self.rotary_emb = rotary_emb
+        self.layer_type = layer_type  # models whose RoPE differs by layer type (Gemma 3): the module's third argument
         self._logs: dict[torch.device, PositionLog] = {}
         self._last: _Latest | None = None  # the latest `cos_sin` answer
         self._step: _Latest | None = None  # the latest `step_position_ids` answer
@@ -96,7 +97,8 @@ class RopeHelper:
         if self._last is not None and self._last.holds(like.device, position_ids):
             return self._last.value
         with torch.no_grad():
-            cos, sin = self.rotary_emb(like.float(), position_ids)
+            extra = () if self.layer_type is None else (self.layer_type,)
+            cos, sin = self.rotary_emb(like.float(), position_ids, *extra)
         cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)
         if getattr(self.rotary_emb, "rope_type", "default") not in ("dynamic", "longrope"):
             self._last = _Latest(like.device, position_ids, (cos, sin))
