@@ -82,6 +82,20 @@ class Frontier:
         self.clock = Clock(self.s["max_minutes"], self.s["shares"])
         self.rates = {k: Rate(v) for k, v in self.s["seconds"].items()}
         self.stages: dict[str, dict[str, Any]] = {}
+        self.run_stages = list(self.s["stages"])  # what this invocation runs
+        self.refresh_only(self.dir / "plan.json")
+
+    def refresh_only(self, previous: Path) -> None:
+        """`frontier.stages=[]` runs nothing: it enumerates again (the engine table and counts as the code has them now)
+        and rewrites the plan and report from the records. What the stages ran, and the stages setting, are then the
+        plan's it replaces, so the report still says what the search did."""
+        if self.s["stages"] or not previous.is_file():
+            return
+        old = json.loads(previous.read_text())
+        if old.get("model") != self.model:
+            return
+        self.stages = {k: v for k, v in old.get("stages", {}).items() if isinstance(v, dict)}
+        self.s["stages"] = old.get("settings", {}).get("stages", [])
 
     # --- rows ------------------------------------------------------------------------------------------------------
 
@@ -150,7 +164,7 @@ class Frontier:
 
     def print_plan(self, ranked: int, confirmed: int) -> None:
         counts = {"screen": len(self.screenable()), "rank": ranked, "confirm": confirmed}
-        plans = [StagePlan(s, counts[s], self.units(s), self.rates[s]) for s in self.s["stages"]]
+        plans = [StagePlan(s, counts[s], self.units(s), self.rates[s]) for s in self.run_stages]
         print(plan_text(plans, self.s["max_minutes"]), file=self.out)
 
     def screenable(self) -> list[Candidate]:
@@ -159,7 +173,7 @@ class Frontier:
     def screen(self, left: list[str]) -> list[str]:
         """-> the candidates to rank: the best per budget, the unscreened, and `correlate` more."""
         rows = [(c, {}) for c in self.screenable()]
-        if "screen" in self.s["stages"]:
+        if "screen" in self.run_stages:
             self.run_rows("screen", rows, left)
         recs = self.records("screen")
         errors = {n: recs[n]["metrics"].get(SCREEN_METRIC, math.nan) for n in self.cands if n in recs}
@@ -194,7 +208,7 @@ class Frontier:
         survivors = self.s["keep"] * len(self.s["budgets"])
         self.print_plan(min(len(self.cands), survivors), self.s["confirm"]["max"] + 1)
         self.write_plan()
-        stages = list(self.s["stages"])
+        stages = list(self.run_stages)
         ranked = self.screen(stages)
         stages = [s for s in stages if s != "screen"]
         if "rank" in stages:

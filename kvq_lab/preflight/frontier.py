@@ -28,7 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "confirm": {"limit": 5, "max": 4},  # the run's task: documents, and Pareto candidates confirmed at most
     "seconds": {"screen": 4.0, "rank": 30.0, "confirm": 4.0},  # first guess of seconds per unit until measured
     "shares": {"screen": 0.3, "rank": 0.5, "confirm": 0.2},  # of max_minutes, renormalised over the stages left
-    "stages": ["screen", "rank", "confirm"],  # stages to run (enumeration always runs; the report always written)
+    "stages": ["screen", "rank", "confirm"],  # stages to run (enumeration, plan and report always); []: a refresh
     "report_dir": None,  # null: <results_dir>/frontier_<model>
 }
 SOURCES = ("preset", "grid", "policy", "search", "engine")
@@ -70,7 +70,7 @@ def settings(given: Mapping | None) -> dict[str, Any]:
         s["correlate"] = 0 if s["correlate"] == 0 else _number(s["correlate"], "frontier.correlate", 0.5, True)
     for key, allowed in (("sources", SOURCES), ("stages", STAGES)):
         bad = [x for x in s[key] if x not in allowed]
-        if bad or not s[key]:
+        if bad or (not s[key] and key == "sources"):  # stages=[]: a refresh (kvq_lab/frontier/driver.py)
             raise ConfigError(f"frontier.{key}={s[key]!r}; choose among: {', '.join(allowed)}")
     s["screen"]["prompts"] = _number(s["screen"]["prompts"], "frontier.screen.prompts", 0.5, True)
     s["screen"]["tokens"] = _number(s["screen"]["tokens"], "frontier.screen.tokens", 8, True)

@@ -5,6 +5,7 @@ a partial one runs only what is missing (the tiny random model)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -280,3 +281,14 @@ def test_a_partial_stage_runs_only_what_is_missing(tiny_model_dir, data_dir, tmp
     second = sorted((tmp_path / "runs").glob("*/record.json"))
     assert len(second) == 2 and kept in second  # the finished row was not run again; the lost one was
     assert set(g.records("screen")) == set(f.cands)
+    # a refresh (frontier.stages=[]) runs nothing: it enumerates again and rewrites the plan and report from the
+    # records, keeping what the stages ran and the stages setting of the plan it replaces
+    g.search()
+    before = json.loads((g.dir / "plan.json").read_text())
+    assert before["stages"]["screen"]["ran"] and before["settings"]["stages"] == ["screen"]
+    h = Frontier(compose([a for a in args if not a.startswith("frontier.stages=")] + ["frontier.stages=[]"]))
+    h.search()
+    after = json.loads((h.dir / "plan.json").read_text())
+    assert sorted((tmp_path / "runs").glob("*/record.json")) == second
+    assert after["stages"]["screen"] == before["stages"]["screen"] and after["settings"]["stages"] == ["screen"]
+    assert after["candidates"] == before["candidates"]
