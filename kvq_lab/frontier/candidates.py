@@ -115,14 +115,17 @@ def policies() -> list[tuple[str, dict]]:
     return out
 
 
-def engines() -> list[tuple[str, dict]]:
+def engines(architecture: str | None = None) -> list[tuple[str, dict]]:
+    """The engine table's caches that run on a model of `architecture` (None: every row's), each named by its row."""
     from kvq_lab.report.engines import ROWS
 
     presets_by_name = dict(presets())
     out = []
     for row in ROWS:
+        if not row.runs_on(architecture):
+            continue
         knobs = {**(presets_by_name.get(row.quant, {}) if row.quant else {}), **row.knobs}
-        out.append((row.quant or "engine_" + "_".join(f"{k}{v}" for k, v in row.knobs.items()), knobs))
+        out.append((row.candidate_name(), knobs))
     return out
 
 
@@ -209,11 +212,13 @@ def enumerate_candidates(
     one line per candidate dropped as invalid or over every budget). `base`: the run's config as plain values;
     `validate(config dict)`: the run's own check (raises ConfigError), else the cache's knobs alone are checked."""
     shape = shape_of(facts, (base.get("model") or {}).get("dtype") or "float32")
-    made = {"preset": presets, "grid": grid, "policy": policies, "engine": engines}
+    architecture = facts.architecture if facts is not None else None
+    made = {"preset": presets, "grid": grid, "policy": policies, "engine": lambda: engines(architecture)}
     raw = [(src, n, o) for src in sources for n, o in (searches(budgets) if src == "search" else made[src]())]
     out: dict[str, Candidate] = {}
     notes: list[str] = []
-    engine = engine_settings(base, facts.architecture if facts is not None else None)
+    engine = engine_settings(base, architecture)
+    names: dict[str, str] = {}  # candidate name -> its cache's identity: one name never stands for two caches
     for src, name, overrides in raw:
         c = apply(base, overrides)
         try:
@@ -235,6 +240,9 @@ def enumerate_candidates(
         if key in out:
             out[key].same_as.append(name)
             continue
+        if names.setdefault(name, key) != key:
+            name = f"{name}@{src}"  # another source's cache took the name first
+            names[name] = key
         fits = [b for b in budgets if bits <= b + 1e-9]
         cand = Candidate(name, src, overrides, round(bits, 6), exact, cache.label(), fits)
         cand.engines = list(engine.get(key, []))

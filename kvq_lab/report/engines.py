@@ -47,6 +47,12 @@ class EngineRow:
     test: str = ""  # <test file>::<test name> backing a `same arithmetic` row (and the format of a `nearest` one)
     difference: str = ""  # a `nearest` row: what differs
     models: str = "any"  # `llama`: Llama-architecture models only (llama.cpp's key channel order); `other`: the rest
+    name: str = ""  # the frontier's name for this row's cache (default: the preset's, or the knobs')
+
+    def candidate_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.quant or "engine_" + "_".join(f"{k}{v}" for k, v in self.knobs.items())
 
     def runs_on(self, architecture: str | None) -> bool:
         """Whether this row's arithmetic is the engine's on a model of `architecture` (config.json's model_type or
@@ -67,10 +73,11 @@ def _llamacpp() -> list[EngineRow]:
                  ("iq4_nl", "iq4_nl"), ("q8_0", "q4_0")):  # fmt: skip
         name = k if k == v else f"{k}_{v}"
         flags = f"-ctk {k} -ctv {v} -fa on"
-        for preset, setting, key in ((f"llamacpp_{name}_had", flags, "hadamard"),
-                                     (f"llamacpp_{name}", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", None)):  # fmt: skip
+        for suffix, setting, key in (("_had", flags, "hadamard"), ("", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", None)):
+            preset = f"llamacpp_{name}{suffix}"
             rows.append(EngineRow("llama.cpp", setting, preset, test=PARITY, models="llama"))
-            rows.append(EngineRow("llama.cpp", setting, preset, {"key_transform": key}, test=GGML, models="other"))
+            rows.append(EngineRow("llama.cpp", setting, preset, {"key_transform": key}, test=GGML, models="other",
+                                  name=f"ggml_{name}{suffix}"))  # fmt: skip
     return rows
 
 

@@ -222,6 +222,26 @@ def test_a_model_gets_the_llama_cpp_settings_of_its_architecture(base, architect
         assert all(("hadamard" in k) == ("LLAMA_ATTN_ROT_DISABLE" not in s) for s, k in keys.items()), keys
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gemma3_text"])
+def test_the_engine_source_gives_the_architectures_caches_under_names_of_their_own(base, architecture):
+    """A Llama model's engine candidates are llama.cpp's interleaved caches (`llamacpp_*`), another model's the same
+    blocks in transformers' order (`ggml_*`); no name stands for two caches (the engine row built from llamacpp_q4_0
+    without `interleave` once took that preset's name, and the report gave one cache's KL to the other)."""
+    facts = ModelFacts(**{**FACTS.__dict__, "architecture": architecture})
+    got, _ = cands.enumerate_candidates(base, facts, [4.5, 8.5], ["preset", "engine"], 512)
+    names = [c.name for c in got]
+    assert len(names) == len(set(names))
+    ids = {}
+    for c in got:
+        for n in [c.name, *c.same_as]:
+            assert ids.setdefault(n, c) is c, f"{n} names two caches"
+    engine = [c for c in got if c.source == "engine"]
+    prefix = "llamacpp_" if architecture == "llama" else "ggml_"
+    lcpp = [c for c in got if any(e.startswith("llama.cpp: ") for e in c.engines)]
+    assert lcpp and all(n.startswith(prefix) for c in lcpp for n in [c.name, *c.same_as] if "@" not in n)
+    assert all(not c.name.startswith("llamacpp_") for c in engine) or architecture == "llama"
+
+
 def test_cost_plan_and_the_max_minutes_cut():
     rate = Rate(10.0)
     plan = [StagePlan("screen", 5, 2, rate), StagePlan("rank", 3, 1, Rate(40.0))]
