@@ -28,7 +28,12 @@ TABLES = {  # study -> the tables it writes, relative to experiments/<study>/
     "fidelity": ["table.md", "long_context_table.md"],
     "field_methods": ["table.md"],
     "formats": ["table.md"],
-    "frontier": ["frontier_smollm2-135m/report.md"],  # per model searched: frontier_<model>/report.md
+    "frontier": [  # per model searched: frontier_<model>/report.md, and llama_cpp_check/<model>/check.md
+        "frontier_smollm2-135m/report.md",
+        "frontier_gemma3-270m/report.md",
+        "llama_cpp_check/smollm2-135m/check.md",
+        "llama_cpp_check/gemma3-270m/check.md",
+    ],
     "group_size": ["table.md"],
     "kivi_axis_table": ["table.md", "gemma3-270m/table.md", "paired.md"],  # paired.md: the noise floor beside each
     "kivi_residual": ["table.md"],
