@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ def main() -> int:
         fail(f"--threads {args.threads}: give 1 or more")
 
     from kvq_lab.models.loading import EMBEDDED, embedded_gguf
+    from kvq_lab.report.engines import cli_value
     from kvq_lab.report.studies import frontier
 
     gguf = args.gguf or (str(embedded_gguf(args.model) or "") if args.model in EMBEDDED else "")
@@ -79,7 +79,7 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     data = os.environ.get("KVQ_DATA_DIR", "../shared/data")  # relative to the repository, as the study commands
     for s in todo:  # kvq_lab's side: ordinary records, resumed by run key
-        knobs = [f"{k}={_value(v)}" for k, v in s.overrides.items()]
+        knobs = [f"{k}={cli_value(v)}" for k, v in s.overrides.items()]
         cmd = [sys.executable, "run.py", "experiment=llama_cpp_parity", f"model={args.model}", *knobs,
                f"task.n_ctx={args.n_ctx}", f"results_dir={out.relative_to(REPO)}", f"data_dir={data}", "logger=none",
                "experiment_name=frontier-llama_cpp_check", f"run_name={s.candidate}"]  # fmt: skip
@@ -91,14 +91,10 @@ def main() -> int:
     runs = [s for s in todo if not _done(out / s.log(args.n_ctx), parse)]
     if runs:
         with tempfile.TemporaryDirectory(prefix="kvq_frontier_llama_") as tmp:
-            from omegaconf import OmegaConf
-
-            from kvq_lab.tasks.text import source_text
+            from kvq_lab.tasks.text import coqa_text
 
             text = Path(tmp) / "coqa_stories.txt"
-            t = OmegaConf.create({"source": "coqa_stories", "path": None, "dataset": None, "dataset_config": None,
-                                  "split": "test", "text_field": "text"})  # fmt: skip
-            text.write_text(source_text(t, REPO / data))  # an absolute KVQ_DATA_DIR stays itself
+            text.write_text(coqa_text(REPO / data))  # task.source=coqa_stories; an absolute KVQ_DATA_DIR stays itself
             base = Path(tmp) / "base.kld"
             common = [binary, "-m", gguf, "-c", str(args.n_ctx), "-b", str(args.n_ctx), "-fa", "on", "-t",
                       str(args.threads), "-f", str(text)]  # fmt: skip
@@ -123,14 +119,6 @@ def main() -> int:
 
 def _done(log: Path, parse) -> bool:
     return log.is_file() and "kl_mean" in parse(log.read_text())
-
-
-def _value(v) -> str:
-    if isinstance(v, list | tuple):
-        return "[" + ",".join(str(x) for x in v) + "]"
-    if v is None:
-        return "null"
-    return str(v) if not re.search(r"[\s,=]", str(v)) else repr(str(v))
 
 
 if __name__ == "__main__":

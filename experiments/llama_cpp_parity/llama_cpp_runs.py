@@ -36,15 +36,10 @@ TYPES = [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q4_1", "q4_1"), (
 
 def text_file(scratch: Path) -> Path:
     """The CoQA stories as kvq_lab's task.source=coqa_stories reads them."""
-    from omegaconf import OmegaConf
+    from kvq_lab.tasks.text import coqa_text
 
-    from kvq_lab.tasks.text import source_text
-
-    t = OmegaConf.create({"source": "coqa_stories", "path": None, "dataset": None, "dataset_config": None,
-                          "split": "test", "text_field": "text"})  # fmt: skip
-    data = Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))
     out = scratch / "coqa_stories.txt"
-    out.write_text(source_text(t, data))
+    out.write_text(coqa_text(Path(os.environ.get("KVQ_DATA_DIR", REPO.parent / "shared" / "data"))))
     return out
 
 

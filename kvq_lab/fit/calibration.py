@@ -82,10 +82,10 @@ def fit_layer(cache: CacheConfig, cap: dict[str, Any], rope) -> CacheConfig:
     return replace(cache, layers=(), **changes)
 
 
-def fit(cache: CacheConfig, caps: list[dict[str, Any]], rope) -> CacheConfig:
-    """The cache config with one fitted config per layer (`CacheConfig.layers`). `rope`: a RopeHelper for every
-    layer, one per layer (`layer_ropes`), or None (no RoPE)."""
-    ropes = rope if isinstance(rope, list | tuple) else [rope] * len(caps)
+def fit(cache: CacheConfig, caps: list[dict[str, Any]], rope: list | None) -> CacheConfig:
+    """The cache config with one fitted config per layer (`CacheConfig.layers`). `rope`: each layer's RopeHelper
+    (`layer_ropes`), or None (no RoPE)."""
+    ropes = rope if rope is not None else [None] * len(caps)
     return replace(cache, layers=tuple(fit_layer(cache.unfitted(), c, r) for c, r in zip(caps, ropes, strict=True)))
 
 

@@ -115,18 +115,22 @@ def policies() -> list[tuple[str, dict]]:
     return out
 
 
-def engines(architecture: str | None = None) -> list[tuple[str, dict]]:
-    """The engine table's caches that run on a model of `architecture` (None: every row's), each named by its row."""
+def _engine_rows(architecture: str | None) -> list[tuple[Any, dict]]:
+    """The engine table's rows that run on a model of `architecture` (None: every row), each with the knobs of its
+    cache (its preset's, then its own on top)."""
     from kvq_lab.report.engines import ROWS
 
-    presets_by_name = dict(presets())
-    out = []
-    for row in ROWS:
-        if not row.runs_on(architecture):
-            continue
-        knobs = {**(presets_by_name.get(row.quant, {}) if row.quant else {}), **row.knobs}
-        out.append((row.candidate_name(), knobs))
-    return out
+    by_name = dict(presets())
+    return [
+        (row, {**(by_name.get(row.quant, {}) if row.quant else {}), **row.knobs})
+        for row in ROWS
+        if row.runs_on(architecture)
+    ]
+
+
+def engines(architecture: str | None = None) -> list[tuple[str, dict]]:
+    """The engine table's caches that run on a model of `architecture` (None: every row's), each named by its row."""
+    return [(row.candidate_name(), knobs) for row, knobs in _engine_rows(architecture)]
 
 
 def searches(budgets: list[float]) -> list[tuple[str, dict]]:
@@ -176,14 +180,11 @@ def identity(cache, c: dict) -> str:
 def engine_settings(base: dict[str, Any], architecture: str | None = None) -> dict[str, list[str]]:
     """cache identity -> `engine: setting (match; backing test or the difference)` of every engine-table row that
     runs on a model of `architecture` (None, not known: every row, saying which models it is for)."""
-    from kvq_lab.report.engines import FOR_MODELS, ROWS
+    from kvq_lab.report.engines import FOR_MODELS
 
     out: dict[str, list[str]] = {}
-    by_name = dict(presets())
-    for row in ROWS:
-        if not row.runs_on(architecture):
-            continue
-        c = apply(base, {**(by_name.get(row.quant, {}) if row.quant else {}), **row.knobs})
+    for row, knobs in _engine_rows(architecture):
+        c = apply(base, knobs)
         try:
             key = identity(cache_config(c), c)
         except ConfigError:

@@ -134,7 +134,7 @@ ROWS: tuple[EngineRow, ...] = (
 
 def packed_setting(overrides: dict[str, Any]) -> str:
     """kvq_lab's own packed cache: the command line that stores this cache for real (`mode=packed`)."""
-    knobs = " ".join(f"{k}={_fmt(v)}" for k, v in overrides.items() if k not in ("policy", "precision"))
+    knobs = " ".join(f"{k}={cli_value(v)}" for k, v in overrides.items() if k not in ("policy", "precision"))
     extra = ""
     if isinstance(overrides.get("policy"), dict):
         extra += f" policy={overrides['policy'].get('name')}"
@@ -144,7 +144,8 @@ def packed_setting(overrides: dict[str, Any]) -> str:
     return f"python run.py mode=packed {knobs}{extra}".strip()
 
 
-def _fmt(v) -> str:
+def cli_value(v) -> str:
+    """A knob's value as run.py takes it on the command line (lists in brackets, None as null)."""
     if isinstance(v, list | tuple):
         return "[" + ",".join(str(x) for x in v) + "]"
     return "null" if v is None else str(v)

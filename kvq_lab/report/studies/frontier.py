@@ -252,12 +252,18 @@ class LlamaCppSetting:
     def ctv(self) -> str:
         return re.search(r"-ctv (\S+)", self.flags).group(1)
 
+    @property
+    def kind(self) -> tuple[str, str, bool]:
+        return self.ctk, self.ctv, self.rotation
+
     def log(self, n_ctx: int) -> str:
         return f"{n_ctx}_{self.ctk}_{self.ctv}_{'rot' if self.rotation else 'norot'}.log"
 
 
-def _flags(engine_line: str) -> str:
-    return engine_line.split("`")[1]
+def _llama_cpp(c: dict, budgets: tuple[float, ...] = ()) -> list[LlamaCppSetting]:
+    """A plan candidate's llama.cpp settings (its `llama.cpp: `<flags>` ...` engine lines)."""
+    lines = [e for e in c.get("engines") or [] if e.startswith("llama.cpp: ")]
+    return [LlamaCppSetting(c["name"], c["overrides"], e.split("`")[1], budgets) for e in lines]
 
 
 def llama_cpp_settings(plan: dict, stages: dict) -> list[LlamaCppSetting]:
@@ -270,20 +276,12 @@ def llama_cpp_settings(plan: dict, stages: dict) -> list[LlamaCppSetting]:
     for b, best in a["engines"].items():
         if "llama.cpp" in best:
             picked.setdefault(best["llama.cpp"][0], []).append(b)
-    out = []
-    for name, budgets in picked.items():
-        line = next(e for e in cands[name]["engines"] if e.startswith("llama.cpp: "))
-        out.append(LlamaCppSetting(name, cands[name]["overrides"], _flags(line), tuple(budgets)))
+    out = [_llama_cpp(cands[name], tuple(budgets))[0] for name, budgets in picked.items()]
     for rot in sorted({s.rotation for s in out}):
-        if any((s.ctk, s.ctv, s.rotation) == ("q8_0", "q8_0", rot) for s in out):
-            continue
-        for c in plan["candidates"]:
-            lines = [e for e in c.get("engines") or [] if e.startswith("llama.cpp: ")]
-            s = [LlamaCppSetting(c["name"], c["overrides"], _flags(e), ()) for e in lines]
-            s = [x for x in s if (x.ctk, x.ctv, x.rotation) == ("q8_0", "q8_0", rot)]
-            if s:
-                out.append(s[0])
-                break
+        floor = ("q8_0", "q8_0", rot)
+        q8 = [s for c in plan["candidates"] for s in _llama_cpp(c) if s.kind == floor]
+        if q8 and not any(s.kind == floor for s in out):
+            out.append(q8[0])
     return out
 
 
