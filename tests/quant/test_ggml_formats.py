@@ -1,8 +1,8 @@
 """llama.cpp's block types (`q8_0`, `q4_0`, `q4_1`, `q5_0`, `q5_1`, `iq4_nl`) against ggml itself: the `gguf` package's
 numpy port of ggml's reference quantizers is the oracle. A group of 32 along a row (`group_size=32`, per-token) is one
 ggml block: our fp16 parameters and codes, laid out as ggml's block bytes, must equal `gguf.quants.quantize` byte for
-byte, and `gguf.quants.dequantize` of those bytes must equal our dequantization (iq4_nl: dequantize only, gguf has no
-quantizer for it)."""
+byte, and `gguf.quants.dequantize` of those bytes must equal our dequantization. gguf has no quantizer for iq4_nl: its
+blocks are ggml's C quantizer's, kept in tests/quant/data/ by tests/quant/ggml_reference.py."""
 
 import numpy as np
 import pytest
@@ -77,14 +77,27 @@ def test_dequantization_is_ggmls(name):
     np.testing.assert_array_equal(ours, theirs.reshape(ours.shape))
 
 
-def test_iq4_nl_table_is_ggmls_and_its_search_beats_the_plain_scale():
+def test_iq4_nl_blocks_are_ggmls_cache_quantizer():
+    from ggml_reference import REFERENCE
+
+    ref = np.load(REFERENCE)
+    x = torch.from_numpy(ref["x"])
+    codes, scale, _ = get_format("iq4_nl").quantize_groups(x[None])
+    ours = blocks("iq4_nl", codes[0], scale[0], None)
+    bad = np.nonzero((ours != ref["blocks"]).any(1))[0]
+    assert not len(bad), f"iq4_nl: rows {bad[:5].tolist()} differ from ggml's quantize_row_iq4_nl_ref"
+
+
+def test_iq4_nl_table_is_ggmls_and_its_fitted_scale_beats_the_absmax_one():
     from kvq_lab.quant.formats.iq4_nl import VALUES, nearest
 
     assert tuple(quants.IQ4_NL.kvalues) == VALUES
     assert nearest(torch.tensor([-200.0, -115.5, 7.0, 12.0, 113.0, 500.0])).tolist() == [0, 1, 9, 9, 15, 15]
     x = awkward(4)[:48]
     fmt = get_format("iq4_nl")
-    err = (fmt.dequantize_groups(*fmt.quantize_groups(x[None]))[0] - x).pow(2).mul(x * x).sum()
-    m = x.gather(-1, x.abs().argmax(-1, keepdim=True))  # the search's starting point: d = m / 127, no search
-    plain = (torch.tensor(VALUES)[nearest(x * 127 / m)] * (m / 127) - x).pow(2).mul(x * x).sum()
-    assert err < plain  # ggml's weighted least-squares search finds a better scale than the absmax one
+    codes, scale, _ = fmt.quantize_groups(x[None])
+    err = (fmt.dequantize_groups(codes, scale, None)[0] - x).pow(2).mul(x * x).sum()
+    d0 = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -127  # the largest magnitude on the table's end -127
+    assert torch.equal(codes[0].long(), nearest(x / d0))  # the codes are d0's; only the scale is fitted
+    plain = (torch.tensor(VALUES)[nearest(x / d0)] * d0 - x).pow(2).mul(x * x).sum()
+    assert err < plain  # the weighted least-squares scale for those codes does better than d0

@@ -35,7 +35,7 @@ Registered formats (`FORMATS`: one registry line each below, imported on first l
     nuq               KVQuant's non-uniform codes: lut at 1-4 bits with a codebook fitted per layer (calibration)
     q8_0, q4_0, q4_1  llama.cpp's cache block types, ggml's arithmetic bit for bit (codes from the fp32 scale)
     q5_0, q5_1        the same at 5 bits (ggml's block_q5_0 / block_q5_1), packed 8 codes to a 40-bit word
-    iq4_nl            llama.cpp's non-linear 4-bit type: 16 fixed values, a searched fp16 scale per group
+    iq4_nl            llama.cpp's non-linear 4-bit type: 16 fixed values, a fitted fp16 scale per group
     turbo             TurboQuant's MSE stage: |x| / sqrt(n) per group, Lloyd-Max levels of N(0, 1), bits 1-4
     nvfp4             NVIDIA's FP4: E2M1 codes, an E4M3 scale per block (16: `group_size=16`), an fp32 scale per layer
                       and tensor fitted on calibration data (amax / (448 * 6))
