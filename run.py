@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "offline")  # no network by default; `wandb sync` uploads later
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -81,9 +82,11 @@ def entry() -> None:
     also when a row's interruption ends the sweep, whose exit status stays 128 + the signal)."""
     from kvq_lab.preflight import check_overrides
     from kvq_lab.run import sweep
+    from kvq_lab.run.overrides import check_composition
 
     try:
         check_overrides(sys.argv[1:])  # a renamed knob's old spelling: one line naming the new one, before Hydra
+        check_composition(sys.argv[1:], Path(__file__).resolve().parent / "conf")  # unknown keys and options
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

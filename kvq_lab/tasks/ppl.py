@@ -47,8 +47,7 @@ class PplTask(Task):
             check_options(t)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if protocol == "chunks":
-            _check_chunk_options(t)
+        _check_chunk_options(t)  # under protocol=decode too: a bad value is refused even where it is not read
 
     def check_data(self, cfg: RunConfig, data_dir: Path | None) -> None:
         """The source's files (not the default source's `data`), and the text long enough for the windows."""
@@ -106,7 +105,7 @@ class PplTask(Task):
 
 
 def _check_chunk_options(t) -> None:
-    """task.protocol=chunks: n_ctx and chunks."""
+    """n_ctx and chunks (what task.protocol=chunks reads)."""
     n_ctx, chunks = t.get("n_ctx"), t.get("chunks")
     if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < MIN_N_CTX:
         raise ConfigError(f"task.n_ctx={n_ctx!r} must be an integer >= {MIN_N_CTX} (tokens per chunk)")

@@ -158,3 +158,19 @@ def test_a_fakequant_run_records_the_quantized_prompt_and_its_number(tiny_model_
         "K2b-C32_V2b-T32_sim_Pquant": "quantized",
         "K2b-C32_V2b-T32_sim": "exact",
     }
+
+
+BAD_CHUNK_OPTIONS = [("task.n_ctx=abc", "task.n_ctx='abc' must be an integer >= "),
+                     ("task.chunks=0", "task.chunks=0 must be an integer >= 1, or null")]  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["ppl", "fidelity"])
+@pytest.mark.parametrize("option,line", BAD_CHUNK_OPTIONS)
+def test_chunk_options_are_checked_under_either_protocol(task, option, line, data_dir, tmp_path):
+    """protocol=decode does not read n_ctx or chunks; a bad value is refused all the same, before any load."""
+    for protocol in ("decode", "chunks"):
+        cfg = compose([f"task={task}", option, f"task.protocol={protocol}", "logger=none", f"data_dir={data_dir}",
+                       f"results_dir={tmp_path}"])  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            validate(cfg)
+        assert str(e.value).startswith(line) and "\n" not in str(e.value)
