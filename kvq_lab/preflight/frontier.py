@@ -1,9 +1,9 @@
 """The frontier search's own settings (`frontier.*`, conf/experiment/frontier.yaml), checked before anything loads.
 
-`settings(given)` fills the defaults and refuses a bad value in one line naming the key, the value and what is
-allowed; `check_budgets(budgets, cheapest)` refuses a budget no enumerated candidate fits under (the enumeration
-counts every candidate's stored bits from the model's files first: `kvq_lab.frontier.candidates`). The driver
-(`kvq_lab.frontier.driver`) calls both before the model loads.
+`settings(given)` fills the defaults (the yaml's `frontier:` section, their one place) and refuses a bad value in
+one line naming the key, the value and what is allowed; `check_budgets(budgets, cheapest)` refuses a budget no
+enumerated candidate fits under (the enumeration counts every candidate's stored bits from the model's files first:
+`kvq_lab.frontier.candidates`). The driver (`kvq_lab.frontier.driver`) calls both before the model loads.
 """
 
 from __future__ import annotations
@@ -11,26 +11,23 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kvq_lab.common.errors import ConfigError
 
-DEFAULTS: dict[str, Any] = {
-    "budgets": [3, 4.5, 8.5],  # stored bits per cached K/V element; a candidate is in every budget it fits under
-    "max_candidates": None,  # at most this many candidates (round-robin over their sources); null: all
-    "max_minutes": None,  # wall-clock budget of the stages; a stage stops at its cheapest-first cut
-    "keep": 4,  # screened candidates kept per budget (lowest attention-output error)
-    "correlate": 0,  # screened candidates also ranked for the rank correlations: 0, N (spread), or "all"
-    "sources": ["preset", "grid", "policy", "engine", "search"],  # where candidates come from (the cap's order)
-    "noise": "permute:1",  # the rounding-only rerun of each budget's winner (kvq_lab.report.noise); none: no floor
-    "screen": {"prompts": 2, "tokens": 256},  # task=probe: prompts, tokens per prompt
-    "rank": {"windows": 1, "context_tokens": 256, "eval_tokens": 128, "source": "coqa_stories", "path": None},
-    "confirm": {"limit": 5, "max": 4},  # the run's task: documents, and Pareto candidates confirmed at most
-    "seconds": {"screen": 4.0, "rank": 30.0, "confirm": 4.0},  # first guess of seconds per unit until measured
-    "shares": {"screen": 0.3, "rank": 0.5, "confirm": 0.2},  # of max_minutes, renormalised over the stages left
-    "stages": ["screen", "rank", "confirm"],  # stages to run (enumeration, plan and report always); []: a refresh
-    "report_dir": None,  # null: <results_dir>/frontier_<model>
-}
+FRONTIER_YAML = Path(__file__).resolve().parents[2] / "conf" / "experiment" / "frontier.yaml"
+
+
+@cache
+def defaults() -> dict[str, Any]:
+    """`frontier:` of conf/experiment/frontier.yaml: every setting, its default and its meaning (one place)."""
+    return yaml.safe_load(FRONTIER_YAML.read_text())["frontier"]
+
+
 SOURCES = ("preset", "grid", "policy", "search", "engine")
 STAGES = ("screen", "rank", "confirm")
 
@@ -54,7 +51,7 @@ def _number(v, key: str, lo: float = 0.0, integer: bool = False) -> float:
 
 def settings(given: Mapping | None) -> dict[str, Any]:
     """`frontier.*` with its defaults, checked (one-line ConfigError)."""
-    s = _merge(DEFAULTS, dict(given or {}))
+    s = _merge(defaults(), dict(given or {}))
     budgets = s["budgets"]
     if isinstance(budgets, int | float) and not isinstance(budgets, bool):
         budgets = [budgets]
