@@ -110,8 +110,8 @@ class RunSchema(CacheKnobs):
         None,
         "`experiment=frontier`: the frontier search's settings (`frontier.budgets` [3, 4.5, 8.5] stored bits per K/V "
         "element, `max_candidates`, `max_minutes`, `keep`, `correlate`, `sources`, `screen`, `rank`, `confirm`, "
-        "`noise`, `stages`, `report_dir`: kvq_lab/preflight/frontier.py, experiments/frontier/README.md); empty: an "
-        "ordinary run",
+        "`noise`, `seconds`, `shares`, `stages`, `report_dir`: conf/experiment/frontier.yaml, "
+        "experiments/frontier/README.md); empty: an ordinary run",
         factory=dict,
     )
 
