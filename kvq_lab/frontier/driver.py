@@ -195,7 +195,8 @@ class Frontier:
         self.run_rows("rank", [(self.cands[n], {"noise": self.s["noise"]}) for n in sorted(wins)], left)
 
     def confirm(self, names: list[str], left: list[str]) -> None:
-        fp16 = Candidate("fp16", "reference", OmegaConf.to_container(OmegaConf.load(CONF / "quant" / "fp16.yaml")))
+        fp16 = Candidate("fp16", "reference", OmegaConf.to_container(OmegaConf.load(CONF / "quant" / "fp16.yaml")),
+                         bits=16.0)  # fmt: skip
         self.cands.setdefault("fp16", fp16)
         rows = [(self.cands[n], {}) for n in names[: self.s["confirm"]["max"]]] + [(self.cands["fp16"], {})]
         self.run_rows("confirm", rows, left)

@@ -117,12 +117,13 @@ def report(plan: dict, screen: dict, rank: dict, confirm: dict) -> str:
     task = plan.get("confirm_task")
     ref = _score(confirm["fp16"], task) if "fp16" in confirm else None
     rank_s = s["rank"]
+    searched = sum(c.get("source") != "reference" for c in cands.values())  # the 16-bit cache is the yardstick
     lines = [
         f"# Frontier: {plan['model']}",
         "",
         f"Budgets {s['budgets']} stored bits per cached K/V element (counted before any run at {plan['tokens']} "
         "tokens). "
-        f"{plan['enumerated']} candidates within a budget, {len(cands)} searched; screened on {s['screen']['prompts']} "
+        f"{plan['enumerated']} candidates within a budget, {searched} searched; screened on {s['screen']['prompts']} "
         f"prompts x {s['screen']['tokens']} tokens (task=probe), ranked by task=fidelity ({rank_s['windows']} "
         f"window(s), {rank_s['context_tokens']} + {rank_s['eval_tokens']} tokens), confirmed on task={task} "
         f"(limit {s['confirm']['limit']}). The stages' runs took {_run_minutes(screen, rank, confirm):.1f} min (their "
