@@ -2,8 +2,9 @@
 unknown key, an option no config group has) is refused in one line that names the value and the fix.
 
 `check_composition(argv, conf)`: every value of a group override (`quant=a,b`) must be a file of that group in
-`conf/`; then the overrides, a sweep's first value each, are composed with Hydra's compose API against `config.yaml`
-(`RunSchema` included) and a refusal is turned into a `ConfigError`. Hydra's own overrides (`hydra.*`, `hydra/...`)
+`conf/`, a top-level key a field of `RunSchema`; where a key names a section's setting (`task.n_ctx`), the overrides,
+a sweep's first value each, are composed with Hydra's compose API against `config.yaml` and a refusal is turned into
+a `ConfigError`. Hydra's own overrides (`hydra.*`, `hydra/...`)
 and command lines with flags other than `-m`/`--multirun` (`--cfg`, `-cn`, `--help`, ...) are left to Hydra.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from kvq_lab.common.errors import ConfigError
@@ -48,17 +50,23 @@ def _unknown_key(key: str, conf: Path, composed_without) -> str:
 
 
 def check_composition(argv: list[str], conf: Path) -> None:
-    """Raise ConfigError (one line) where Hydra would refuse argv's overrides; return quietly otherwise."""
+    """Raise ConfigError (one line) where Hydra would refuse argv's overrides; return quietly otherwise. Group options
+    and top-level keys are checked against conf/ and `RunSchema` directly; Hydra composes the command line (about a
+    second) only when a dotted key (`task.n_ctx=...`) asks for a section's settings."""
     if any(a.startswith("-") and a not in PASS_FLAGS for a in argv):
         return
     from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvq_lab.run.config import RunSchema, register_schema
 
     lines = [a for a in argv if "=" in a and not a.lstrip("+~").startswith("hydra")]
     try:
         parsed = OverridesParser.create().parse_overrides(lines)
     except Exception:  # noqa: BLE001 - a syntax error: Hydra's own message says where
         return
+    known = [f.name for f in fields(RunSchema)]
     first: list[str] = []
+    nested = False
     for o in parsed:
         key = o.get_key_element()
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.get_value_element_as_str()]
@@ -66,14 +74,23 @@ def check_composition(argv: list[str], conf: Path) -> None:
         if group.is_dir() and not o.is_delete():
             options = _options(group)
             for v in values:
-                if v not in options and v != "null":
+                if v == "null":
+                    raise ConfigError(f"{o.key_or_group}=null: a config group takes an option's name; leave "
+                                      f"{o.key_or_group}= out for its default, or {_choices(v, options)}")  # fmt: skip
+                if v not in options:
                     raise ConfigError(f"{o.key_or_group}={v}: no such option in conf/{o.key_or_group}/; "
                                       f"{_choices(v, options)}")  # fmt: skip
+        elif "." in o.key_or_group:
+            nested = True
+        elif o.key_or_group not in known and not o.is_add() and not o.is_delete():
+            near = difflib.get_close_matches(o.key_or_group, known, n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(near)}?" if near else "see conf/config.yaml for the settings"
+            raise ConfigError(f"{o.key_or_group} is not a kvq_lab setting; {hint}")
         first.append(f"{key}={values[0]}" if o.is_sweep_override() else o.input_line)
+    if not nested:
+        return
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
-
-    from kvq_lab.run.config import register_schema
 
     register_schema()  # config.yaml's defaults name it (run.py registers it too; storing it twice is harmless)
 

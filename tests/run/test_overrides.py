@@ -25,7 +25,8 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
         (["model=smolm2"], "model=smolm2: no such option in conf/model/; did you mean smollm2-135m?"),
         (["-m", "quant=llamacpp_q4_0,llamacpp_q4_x"], "quant=llamacpp_q4_x: no such option in conf/quant/; did you"),
         (["quant=zzzzzz"], "quant=zzzzzz: no such option in conf/quant/; choose one of 2bit_KC_VC, "),
-        (["quant=null"], "quant=null: Config group override must be a string or a list. Got NoneType"),
+        (["quant=null"], "quant=null: a config group takes an option's name; leave quant= out for its default"),
+        (["-m", "bits=2,4", "zqxw=1,2"], "zqxw is not a kvq_lab setting; see conf/config.yaml for the settings"),
     ],
 )
 def test_what_hydra_would_refuse_is_one_line_with_the_fix(argv, line):
