@@ -76,7 +76,7 @@ class RunSchema(CacheKnobs):
         "skip a run whose completed record exists for the same config, data files, model, fit, code and libraries: a "
         "killed sweep repeats nothing, a changed input reruns",
     )
-    resume_dirty: Any = knob(False, "also reuse records made from a git tree with uncommitted changes")
+    resume_dirty: Any = knob(False, "also reuse records made from a git tree with uncommitted changes to code")
     experiment_name: Any = knob(None, "the study a run belongs to (`experiment=<name>` sets it)")
     model: Any = knob(
         None,
