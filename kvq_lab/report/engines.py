@@ -30,6 +30,7 @@ LLAMA_ORDER = ("llama", "mistral")
 FOR_MODELS = {"llama": "Llama-architecture models only", "other": "models other than Llama's architecture only"}
 PARITY = "tests/report/test_studies_regenerate.py::test_a_study_regenerates_its_tables"  # [llama_cpp_parity]
 GGML = "tests/quant/test_ggml_formats.py::test_codes_and_parameters_are_ggmls_bytes"
+GGML_IQ4_NL = "tests/quant/test_ggml_formats.py::test_iq4_nl_blocks_are_ggmls_cache_quantizer"  # gguf has no port
 NVFP4 = "tests/quant/test_fp4_formats.py::test_nvfp4_dequantizes_as_gguf_decodes_its_bytes"
 FP8 = "tests/quant/test_formats.py::test_fp8_codes_are_torch_float8_casts"
 PACKED = "tests/cache/test_packed.py::test_packed_agrees_with_simulated"
@@ -76,7 +77,8 @@ def _llamacpp() -> list[EngineRow]:
         for suffix, setting, key in (("_had", flags, "hadamard"), ("", f"LLAMA_ATTN_ROT_DISABLE=1 {flags}", None)):
             preset = f"llamacpp_{name}{suffix}"
             rows.append(EngineRow("llama.cpp", setting, preset, test=PARITY, models="llama"))
-            rows.append(EngineRow("llama.cpp", setting, preset, {"key_transform": key}, test=GGML, models="other",
+            test = GGML_IQ4_NL if k == "iq4_nl" else GGML
+            rows.append(EngineRow("llama.cpp", setting, preset, {"key_transform": key}, test=test, models="other",
                                   name=f"ggml_{name}{suffix}"))  # fmt: skip
     return rows
 
