@@ -16,6 +16,7 @@ a task's in its module); the run's own settings in `kvq_lab.preflight.settings`,
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -101,11 +102,24 @@ def check_overrides(argv: list[str]) -> None:
     renamed(Pending(c))
 
 
+def did_you_mean(name: str, options, prefix: str = "") -> str:
+    """ "did you mean <prefix>a or <prefix>b?" for the options spelled close to `name`; "" where none is."""
+    near = difflib.get_close_matches(name, [str(o) for o in options], n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
+
+
+def not_a_setting(key: str, siblings, where: str = "conf/config.yaml") -> str:
+    """One line for a key that is no setting: the settings beside it spelled close to it, or where they are listed."""
+    parent, _, last = key.rpartition(".")
+    near = did_you_mean(last, siblings, f"{parent}." if parent else "")
+    return f"{key} is not a kvq_lab setting; {near or f'see {where} for the settings'}"
+
+
 def known_keys(p: Pending) -> None:
     """`+key=value` slips past Hydra's struct check; a typo must not change the run silently."""
     unknown = sorted(set(p.c) - p.known) if p.known is not None else []
     if unknown:
-        raise ConfigError(f"{unknown[0]} is not a kvq_lab setting; see conf/config.yaml for the settings")
+        raise ConfigError(not_a_setting(unknown[0], p.known))
     for s in SECTIONS:
         p.c[s] = p.c.get(s) or {}
 

@@ -4,18 +4,19 @@ unknown key, an option no config group has) is refused in one line that names th
 `check_composition(argv, conf)`: every value of a group override (`quant=a,b`) must be a file of that group in
 `conf/`, a top-level key a field of `RunSchema`; where a key names a section's setting (`task.n_ctx`), the overrides,
 a sweep's first value each, are composed with Hydra's compose API against `config.yaml` and a refusal is turned into
-a `ConfigError`. Hydra's own overrides (`hydra.*`, `hydra/...`)
-and command lines with flags other than `-m`/`--multirun` (`--cfg`, `-cn`, `--help`, ...) are left to Hydra.
+a `ConfigError`. Hydra's own overrides (`hydra.*`, `hydra/...`) and command lines with flags other than
+`-m`/`--multirun` (`--cfg`, `-cn`, `--help`, ...) are left to Hydra. The messages are the preflight's
+(`not_a_setting`, `did_you_mean`).
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import fields
 from pathlib import Path
 
 from kvq_lab.common.errors import ConfigError
+from kvq_lab.preflight import did_you_mean, not_a_setting
 
 PASS_FLAGS = {"-m", "--multirun"}  # flags that leave composition as it is
 
@@ -25,16 +26,16 @@ def _options(group: Path) -> list[str]:
 
 
 def _choices(name: str, options: list[str]) -> str:
-    near = difflib.get_close_matches(name, options, n=3, cutoff=0.6)
+    near = did_you_mean(name, options)
     if near:
-        return f"did you mean {' or '.join(near)}?"
+        return near
     shown = ", ".join(options[:12]) + (f", ... ({len(options)} in all)" if len(options) > 12 else "")
     return f"choose one of {shown}"
 
 
-def _unknown_key(key: str, conf: Path, composed_without) -> str:
+def _unknown_key(key: str, composed_without) -> str:
     """One line for `key` that is not in the config: close spellings among its siblings where composition allows."""
-    parent, _, last = key.rpartition(".")
+    parent = key.rpartition(".")[0]
     siblings: list[str] = []
     try:
         node = composed_without()
@@ -43,10 +44,7 @@ def _unknown_key(key: str, conf: Path, composed_without) -> str:
         siblings = [str(k) for k in node.keys()]
     except Exception:  # noqa: BLE001 - the suggestion is a courtesy; the refusal stands without it
         pass
-    near = difflib.get_close_matches(last, siblings, n=3, cutoff=0.6)
-    hint = f"did you mean {' or '.join(f'{parent}.{n}' if parent else n for n in near)}?" if near else ""
-    where = f"the `{parent}` section" if parent else "conf/config.yaml"
-    return f"{key} is not a kvq_lab setting; {hint or f'see {where} for the settings'}"
+    return not_a_setting(key, siblings, f"the `{parent}` section" if parent else "conf/config.yaml")
 
 
 def check_composition(argv: list[str], conf: Path) -> None:
@@ -83,9 +81,7 @@ def check_composition(argv: list[str], conf: Path) -> None:
         elif "." in o.key_or_group:
             nested = True
         elif o.key_or_group not in known and not o.is_add() and not o.is_delete():
-            near = difflib.get_close_matches(o.key_or_group, known, n=3, cutoff=0.6)
-            hint = f"did you mean {' or '.join(near)}?" if near else "see conf/config.yaml for the settings"
-            raise ConfigError(f"{o.key_or_group} is not a kvq_lab setting; {hint}")
+            raise ConfigError(not_a_setting(o.key_or_group, known))  # the preflight's `known_keys` says the same
         first.append(f"{key}={values[0]}" if o.is_sweep_override() else o.input_line)
     if not nested:
         return
@@ -106,7 +102,7 @@ def check_composition(argv: list[str], conf: Path) -> None:
         if m:
             key = m.group(1)
             without = [f for f in first if not _sets(f, key)]
-            raise ConfigError(_unknown_key(key, conf, lambda: composed(without))) from None
+            raise ConfigError(_unknown_key(key, lambda: composed(without))) from None
         raise ConfigError(" ".join(text.split("\n")[0].split())) from None
     except Exception as e:  # noqa: BLE001 - Hydra would fail the same way, with a stack trace
         raise ConfigError(f"{' '.join(argv)}: {' '.join(str(e).split(chr(10))[0].split())}") from None
